@@ -1,0 +1,332 @@
+"""Frozen configuration dataclasses, YAML loading, `key=value` overrides and validation.
+
+Model fields carry the Hugging Face `GlmMoeDsaConfig` names so a released `config.json` maps one to one.
+Every check runs in plain Python before anything is traced or compiled, and every error names the field,
+the offending value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, malformed or inconsistent with another one."""
+
+
+def _fail(field: str, value: Any, valid: str) -> None:
+    raise ConfigError(f"{field}={value!r} is invalid: {valid}")
+
+
+ATTENTION_BACKENDS = ("dense", "sparse", "pallas")
+MOE_BACKENDS = ("reference", "ragged", "ep")
+INDEXER_TYPES = ("full", "shared")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GLM-5 architecture (HF names) plus the JAX-side choices (backends, dtypes, MTP depth, remat)."""
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 3
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    # GLM-5 rotates the indexer's rope dims as interleaved pairs; DeepSeek-V3.2 uses half-split.
+    indexer_rope_interleaved: bool = True
+    # Per layer "full" (runs its own indexer) or "shared" (reuses the previous full layer's top-k).
+    # None means every layer is "full", as in GLM-5.
+    indexer_types: tuple[str, ...] | None = None
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 202752
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # Multi-token prediction: number of MTP modules stored (GLM-5: 1) and how many times the shared
+    # module is applied (GLM-5 trains with 3 steps sharing one set of parameters).
+    num_nextn_predict_layers: int = 1
+    mtp_num_steps: int = 3
+    # JAX-side choices.
+    attention_backend: str = "sparse"
+    moe_backend: str = "ragged"
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    remat_policy: str = "none"
+    # Query rows processed at once by the indexer (bounds the [chunk, T] score tensor); 0 = all at once.
+    index_query_chunk: int = 0
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of the absorbed-form cache row: normalised latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.num_dense_layers
+
+    @property
+    def layer_indexer_types(self) -> tuple[str, ...]:
+        return self.indexer_types or ("full",) * self.num_hidden_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5
+
+    def validate(self) -> "ModelConfig":
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "must be a positive integer")
+        for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_steps",
+                     "index_query_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(name, value, "must be a non-negative integer")
+        if self.qk_rope_head_dim % 2:
+            _fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
+        if self.qk_rope_head_dim > self.index_head_dim:
+            _fail("qk_rope_head_dim", self.qk_rope_head_dim,
+                  f"the indexer rotates its first qk_rope_head_dim dims, so it must be <= index_head_dim "
+                  f"({self.index_head_dim})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            _fail("num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be <= n_routed_experts ({self.n_routed_experts})")
+        if self.n_routed_experts % self.n_group:
+            _fail("n_group", self.n_group, f"must divide n_routed_experts ({self.n_routed_experts})")
+        if self.topk_group > self.n_group:
+            _fail("topk_group", self.topk_group, f"must be <= n_group ({self.n_group})")
+        experts_per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and experts_per_group < 2:
+            _fail("n_group", self.n_group,
+                  "group scores sum each group's top-2 experts, so every group needs >= 2 experts")
+        if self.num_experts_per_tok > self.topk_group * experts_per_group:
+            _fail("num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be <= topk_group * experts per group ({self.topk_group * experts_per_group})")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            _fail("first_k_dense_replace", self.first_k_dense_replace,
+                  f"must be <= num_hidden_layers ({self.num_hidden_layers})")
+        if self.hidden_act != "silu":
+            _fail("hidden_act", self.hidden_act, "only 'silu' (SwiGLU) is supported")
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "must be > 0")
+        if self.rms_norm_eps <= 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.routed_scaling_factor <= 0:
+            _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+        if self.num_nextn_predict_layers > 1:
+            _fail("num_nextn_predict_layers", self.num_nextn_predict_layers,
+                  "GLM-5 stores one MTP module (0 disables MTP); more are not supported")
+        if self.mtp_num_steps > 0 and self.num_nextn_predict_layers == 0:
+            _fail("mtp_num_steps", self.mtp_num_steps, "must be 0 when num_nextn_predict_layers is 0")
+        if self.indexer_types is not None:
+            types = tuple(self.indexer_types)
+            if len(types) != self.num_hidden_layers:
+                _fail("indexer_types", types, f"needs one entry per layer ({self.num_hidden_layers})")
+            bad = [t for t in types if t not in INDEXER_TYPES]
+            if bad:
+                _fail("indexer_types", bad[0], f"entries must be one of {INDEXER_TYPES}")
+            if types[0] != "full":
+                _fail("indexer_types[0]", types[0], "the first layer has no earlier top-k to share: use 'full'")
+        for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS),
+                              ("remat_policy", REMAT_POLICIES), ("param_dtype", DTYPES),
+                              ("compute_dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), f"must be one of {allowed}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic loading: nested dataclasses from dicts, YAML files and dotted `key=value` overrides.
+# ---------------------------------------------------------------------------------------------
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Turn a YAML/CLI value into the annotated type, or fail naming the field."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            _fail(path, value, f"must be a mapping of {annotation.__name__} fields")
+        return from_dict(annotation, value, prefix=path + ".")
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(path, value, inner[0])
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            _fail(path, value, "must be a list")
+        return tuple(_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(path, value, "must be a mapping")
+        return dict(value)
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            _fail(path, value, "must be true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, str):
+            try:
+                value = int(value.replace("_", ""))
+            except ValueError:
+                _fail(path, value, "must be an integer")
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            _fail(path, value, "must be an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                _fail(path, value, "must be a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, value, "must be a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            _fail(path, value, "must be a string")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict[str, Any], prefix: str = ""):
+    """Build dataclass `cls` from a mapping; unknown keys are errors listing the known ones."""
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        _fail(prefix + unknown[0], data[unknown[0]], f"unknown key; known keys are {sorted(types)}")
+    kwargs = {k: _coerce(prefix + k, v, types[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested mapping (values parsed as YAML scalars/lists)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            _fail("override", item, "must look like key=value, e.g. model.index_topk=64")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                _fail(key, text, f"'{part}' is not a section")
+        node[parts[-1]] = _parse_override_value(text)
+    return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        _fail("config", str(path), "file not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        _fail("config", str(path), "top level must be a mapping")
+    base = data.pop("base", None)
+    if base is not None:
+        merged = load_yaml(path.parent / base)
+        _deep_update(merged, data)
+        data = merged
+    return data
+
+
+def _deep_update(target: dict, source: dict) -> None:
+    for key, value in source.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    return from_dict(ModelConfig, data, prefix="model.").validate()
+
+
+def load_model_config(path: str | Path, overrides: list[str] | None = None) -> ModelConfig:
+    """Load a YAML file whose `model:` section (or whole body) holds ModelConfig fields."""
+    data = load_yaml(path)
+    section = data.get("model", data) if isinstance(data.get("model"), dict) else data
+    section = apply_overrides(section, [o[len("model."):] if o.startswith("model.") else o
+                                        for o in (overrides or [])])
+    return model_config_from_dict(section)
+
+
+def model_config_from_hf(hf_config: Any) -> ModelConfig:
+    """Map a transformers `GlmMoeDsaConfig` (or its dict) onto ModelConfig."""
+    d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _fail("rope_parameters.rope_type", rope.get("rope_type"), "only default RoPE is supported")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    kwargs = {k: d[k] for k in names if k in d and d[k] is not None}
+    kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 1e6)))
+    types = kwargs.get("indexer_types")
+    kwargs["indexer_types"] = None if types is None or all(t == "full" for t in types) else tuple(types)
+    kwargs.setdefault("num_nextn_predict_layers", 0)
+    if kwargs["num_nextn_predict_layers"] == 0:
+        kwargs["mtp_num_steps"] = 0
+    return ModelConfig(**kwargs).validate()
+
+
+def to_dict(config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,135 @@
+"""Multi-head latent attention (MLA) with DeepSeek Sparse Attention (DSA) selection.
+
+Two mathematically equal forms:
+- expanded (training reference, backend `dense`): kv_b_proj expands the latent into per-head k_nope and v,
+  scores over every visible key, masked to the indexer's top-k selection;
+- absorbed / MQA (backends `sparse`, `pallas`): W_UK is folded into the query (q_lat = q_nope @ W_UK_h), all
+  heads attend over the shared 576-wide latent rows [c ; k_rope] of the selected keys only, and W_UV maps the
+  512-wide latent output back to each head's value space. Memory and compute grow with the top-k N, not T.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model.layers import MASK_VALUE, apply_rope_interleaved, normal_init, rms_norm
+from glm5_jax.model.masks import selected_mask, visible_keys
+
+# Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
+LATENT_NORM_EPS = 1e-6
+
+
+def init_attention(config: ModelConfig, key: jax.Array, dtype) -> dict:
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+    std = config.initializer_range
+    d, q, c, r, h = (config.hidden_size, config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim,
+                     config.num_attention_heads)
+    return {
+        "q_a_proj": {"kernel": normal_init(k1, (d, q), std, dtype)},
+        "q_a_norm": {"scale": jnp.ones((q,), dtype)},
+        "q_b_proj": {"kernel": normal_init(k2, (q, h, config.qk_head_dim), std, dtype)},
+        "kv_a_proj": {"kernel": normal_init(k3, (d, c + r), std, dtype)},
+        "kv_a_norm": {"scale": jnp.ones((c,), dtype)},
+        "kv_b_proj": {"kernel": normal_init(k4, (c, h, config.qk_nope_head_dim + config.v_head_dim), std, dtype)},
+        "o_proj": {"kernel": normal_init(k5, (h, config.v_head_dim, d), std, dtype)},
+    }
+
+
+def project(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig) -> dict:
+    """Queries and the latent cache rows of one layer (x is the input-normed hidden state [B, S, D])."""
+    dtype = x.dtype
+    q_resid = rms_norm(x @ params["q_a_proj"]["kernel"].astype(dtype), params["q_a_norm"]["scale"], LATENT_NORM_EPS)
+    q = jnp.einsum("BSQ,QHK->BSHK", q_resid, params["q_b_proj"]["kernel"].astype(dtype))
+    q_nope, q_rope = q[..., : config.qk_nope_head_dim], q[..., config.qk_nope_head_dim:]
+    ckv = x @ params["kv_a_proj"]["kernel"].astype(dtype)
+    latent = rms_norm(ckv[..., : config.kv_lora_rank], params["kv_a_norm"]["scale"], LATENT_NORM_EPS)
+    k_rope = apply_rope_interleaved(ckv[..., config.kv_lora_rank:], cos, sin)
+    return {
+        "q_resid": q_resid,
+        "q_nope": q_nope,
+        "q_rope": apply_rope_interleaved(q_rope, cos, sin),
+        # The absorbed-form cache row: 576 values per token and layer for GLM-5.
+        "cache": jnp.concatenate([latent, k_rope], axis=-1),
+    }
+
+
+def _split_kv_b(params: dict, config: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    kv_b = params["kv_b_proj"]["kernel"].astype(dtype)
+    return kv_b[..., : config.qk_nope_head_dim], kv_b[..., config.qk_nope_head_dim:]  # W_UK [C,H,K'], W_UV [C,H,P]
+
+
+def output_projection(params: dict, heads_out: jax.Array) -> jax.Array:
+    """[B, S, H, P] -> [B, S, D]."""
+    return jnp.einsum("BSHP,HPD->BSD", heads_out, params["o_proj"]["kernel"].astype(heads_out.dtype))
+
+
+def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: ModelConfig) -> jax.Array:
+    """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
+
+    Returns per-head outputs [B, S, H, P]."""
+    dtype = proj["q_nope"].dtype
+    w_uk, w_uv = _split_kv_b(params, config, dtype)
+    latent = proj["cache"][..., : config.kv_lora_rank]
+    k_rope = proj["cache"][..., config.kv_lora_rank:]
+    k_nope = jnp.einsum("BTC,CHK->BTHK", latent, w_uk)
+    values = jnp.einsum("BTC,CHP->BTHP", latent, w_uv)
+    logits = (jnp.einsum("BSHK,BTHK->BHST", proj["q_nope"], k_nope)
+              + jnp.einsum("BSHR,BTR->BHST", proj["q_rope"], k_rope)).astype(jnp.float32)
+    logits = jnp.where(allowed[:, None], logits * config.softmax_scale, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
+    probs = jnp.where(allowed[:, None].any(-1, keepdims=True), probs, 0.0).astype(dtype)
+    return jnp.einsum("BHST,BTHP->BSHP", probs, values)
+
+
+def absorbed_queries(params: dict, proj: dict, config: ModelConfig) -> jax.Array:
+    """Queries in latent space [B, S, H, C + R]: q_nope folded through W_UK, rope part unchanged."""
+    w_uk, _ = _split_kv_b(params, config, proj["q_nope"].dtype)
+    q_latent = jnp.einsum("BSHK,CHK->BSHC", proj["q_nope"], w_uk)
+    return jnp.concatenate([q_latent, proj["q_rope"]], axis=-1)
+
+
+def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, scale: float,
+                            kv_lora_rank: int) -> tuple[jax.Array, jax.Array]:
+    """jnp reference of sparse MQA attention: gather the N selected latent rows per query.
+
+    q [B, S, H, C+R], cache [B, T, C+R], indices [B, S, N] (-1 = unused slot).
+    Returns the latent output [B, S, H, C] and the fp32 log-sum-exp [B, S, H]."""
+    valid = indices >= 0
+    rows = jax.vmap(lambda c, i: c[i])(cache, jnp.maximum(indices, 0))  # [B, S, N, C+R]
+    logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
+    logits = jnp.where(valid[:, :, None, :], logits, MASK_VALUE)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0).astype(q.dtype)
+    out = jnp.einsum("BSHN,BSNC->BSHC", probs, rows[..., :kv_lora_rank])
+    return out, lse
+
+
+def latent_to_heads(params: dict, latent_out: jax.Array, config: ModelConfig) -> jax.Array:
+    """[B, S, H, C] latent attention output -> per-head values [B, S, H, P] through W_UV."""
+    _, w_uv = _split_kv_b(params, config, latent_out.dtype)
+    return jnp.einsum("BSHC,CHP->BSHP", latent_out, w_uv)
+
+
+def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Array, k_segment_ids: jax.Array,
+           config: ModelConfig, q_offset: int | jax.Array = 0) -> jax.Array:
+    """Attention over the selected keys with the configured backend; returns [B, S, D]."""
+    backend = config.attention_backend
+    if backend == "dense":
+        num_keys = proj["cache"].shape[1]
+        allowed = visible_keys(q_segment_ids, k_segment_ids, q_offset) & selected_mask(indices, num_keys)
+        heads = expanded_attention(params, proj, allowed, config)
+    else:
+        q = absorbed_queries(params, proj, config)
+        if backend == "sparse":
+            latent_out, _ = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
+                                                    config.kv_lora_rank)
+        else:
+            from pallas_kernels import sparse_mla_attention
+
+            latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
+                                                 kv_lora_rank=config.kv_lora_rank)
+        heads = latent_to_heads(params, latent_out, config)
+    return output_projection(params, heads)

@@ -1,0 +1,91 @@
+"""The DSA lightning indexer: per-query scores over causal keys and a deterministic top-k.
+
+I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
+negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
+
+Tie-break rule: `jax.lax.top_k` returns, among equal scores, the lowest key index first. ReLU makes many
+scores exactly 0, so which of several tied keys fills the last slot follows that rule (torch.topk on CPU
+breaks such ties differently; parity tests use tie-free cases).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model.layers import MASK_VALUE, apply_rope_half_split, apply_rope_interleaved, layer_norm, normal_init
+from glm5_jax.model.masks import visible_keys
+
+INDEXER_NORM_EPS = 1e-6
+
+
+def init_indexer(config: ModelConfig, key: jax.Array, dtype) -> dict:
+    k1, k2, k3 = jax.random.split(key, 3)
+    std = config.initializer_range
+    q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
+    return {
+        "wq_b": {"kernel": normal_init(k1, (q, i, j), std, dtype)},
+        "wk": {"kernel": normal_init(k2, (d, j), std, dtype)},
+        "k_norm": {"scale": jnp.ones((j,), dtype), "bias": jnp.zeros((j,), dtype)},
+        "weights_proj": {"kernel": normal_init(k3, (d, i), std, dtype)},
+    }
+
+
+def _rope_prefix(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, interleaved: bool) -> jax.Array:
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+    return jnp.concatenate([rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], axis=-1)
+
+
+def indexer_queries(params: dict, q_resid: jax.Array, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                    config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Roped indexer queries [B, S, I, J] and fp32 head weights [B, S, I] (already scaled by I^-0.5)."""
+    q = jnp.einsum("BSQ,QIJ->BSIJ", q_resid, params["wq_b"]["kernel"].astype(q_resid.dtype))
+    q = _rope_prefix(q, cos, sin, config.qk_rope_head_dim, config.indexer_rope_interleaved)
+    weights = jnp.einsum("BSD,DI->BSI", x.astype(jnp.float32), params["weights_proj"]["kernel"].astype(jnp.float32))
+    return q, weights * config.index_n_heads**-0.5
+
+
+def indexer_keys(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig) -> jax.Array:
+    """Roped, LayerNorm-ed indexer keys [B, T, J]: one key head shared by all indexer heads."""
+    k = jnp.einsum("BTD,DJ->BTJ", x, params["wk"]["kernel"].astype(x.dtype))
+    k = layer_norm(k, params["k_norm"]["scale"], params["k_norm"]["bias"], INDEXER_NORM_EPS)
+    return _rope_prefix(k, cos, sin, config.qk_rope_head_dim, config.indexer_rope_interleaved)
+
+
+def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                 k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
+    """Masked fp32 index scores [B, S, T] (invisible keys get MASK_VALUE)."""
+    head_dim = q.shape[-1]
+    logits = jnp.einsum("BSIJ,BTJ->BSIT", q.astype(jnp.float32), k.astype(jnp.float32)) * head_dim**-0.5
+    scores = jnp.einsum("BSI,BSIT->BST", weights, jax.nn.relu(logits))
+    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, MASK_VALUE)
+
+
+def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
+    """int32 [B, S, min(topk, T)] key indices; slots that landed on invisible keys are -1."""
+    n = min(topk, scores.shape[-1])
+    values, indices = jax.lax.top_k(scores, n)
+    return jnp.where(values > MASK_VALUE / 2, indices, -1).astype(jnp.int32)
+
+
+def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
+                query_chunk: int = 0) -> jax.Array:
+    """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
+    exists at a time (chunks run sequentially under `lax.map`)."""
+    s = q.shape[1]
+    if query_chunk <= 0 or query_chunk >= s or s % query_chunk:
+        return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+    n_chunks = s // query_chunk
+
+    def chunk(args):
+        q_c, w_c, seg_c, start = args
+        return topk_from_scores(index_scores(q_c, k, w_c, seg_c, k_segment_ids, q_offset + start), topk)
+
+    def split(a):
+        return jnp.moveaxis(a.reshape(a.shape[0], n_chunks, query_chunk, *a.shape[2:]), 1, 0)
+
+    starts = jnp.arange(n_chunks) * query_chunk
+    out = jax.lax.map(chunk, (split(q), split(weights), split(q_segment_ids), starts))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], s, -1)

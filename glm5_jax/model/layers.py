@@ -1,0 +1,74 @@
+"""Basic layers: norms, rotary embeddings, SwiGLU, parameter initialisers.
+
+Dimension letters are fixed in `glm5_jax.model.__init__`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative number for masked logits: fully masked rows stay finite (no NaN from -inf - -inf).
+MASK_VALUE = -1e30
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, then times scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """Standard LayerNorm (mean and variance over the last axis) in fp32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [..., rotary_dim // 2]; pair i turns at inv_freq_i = theta^(-2i/rotary_dim)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved pairs (x0,x1),(x2,x3),...; the result is laid out de-interleaved (rotated evens,
+    then rotated odds), exactly as Hugging Face returns it. Only dot products between rotated queries and
+    keys are ever used, so the layout is free as long as queries and keys share it.
+
+    x: [B, S, ..., R]; cos/sin: [B, S, R/2] (broadcast over the middle axes).
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    x32 = x.astype(jnp.float32)
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    rotated = jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def apply_rope_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (x_i, x_{i+R/2}) (the DeepSeek-V3.2 indexer layout)."""
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    first, second = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)) for x [..., D], gate/up [D, F], down [F, D]."""
+    dtype = x.dtype
+    hidden = jax.nn.silu(x @ gate.astype(dtype)) * (x @ up.astype(dtype))
+    return hidden @ down.astype(dtype)
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

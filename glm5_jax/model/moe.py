@@ -1,0 +1,160 @@
+"""Mixture of experts: sigmoid router with correction bias and group-limited top-k, dispatch backends,
+and the ungated shared expert.
+
+Backends (config `moe_backend`):
+- `reference`: every expert on every token, weighted by the dense routing matrix (tests only);
+- `ragged`: dropless; assignments sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`;
+- `ep`: expert parallelism with `shard_map` (see `glm5_jax.parallel`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model.layers import normal_init, swiglu
+
+
+def init_moe(config: ModelConfig, key: jax.Array, dtype) -> dict:
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+    std = config.initializer_range
+    d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    fs = f * config.n_shared_experts
+    k5a, k5b, k5c = jax.random.split(k5, 3)
+    return {
+        # The router stays fp32 whatever the parameter dtype: its scores decide discrete choices.
+        "router": {"kernel": normal_init(k1, (d, e), std, jnp.float32)},
+        "e_score_correction_bias": jnp.zeros((e,), jnp.float32),
+        "experts": {
+            "gate_proj": normal_init(k2, (e, d, f), std, dtype),
+            "up_proj": normal_init(k3, (e, d, f), std, dtype),
+            "down_proj": normal_init(k4, (e, f, d), std, dtype),
+        },
+        "shared_experts": {
+            "gate_proj": {"kernel": normal_init(k5a, (d, fs), std, dtype)},
+            "up_proj": {"kernel": normal_init(k5b, (d, fs), std, dtype)},
+            "down_proj": {"kernel": normal_init(k5c, (fs, d), std, dtype)},
+        },
+    }
+
+
+def router_scores(params: dict, x: jax.Array) -> jax.Array:
+    """Sigmoid affinities s [T, E] in fp32."""
+    logits = x.astype(jnp.float32) @ params["router"]["kernel"].astype(jnp.float32)
+    return jax.nn.sigmoid(logits)
+
+
+def route(params: dict, x: jax.Array, config: ModelConfig,
+          expert_choices: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pick experts per token. x [T, D] -> (expert ids [T, A] int32, weights [T, A] fp32, scores s [T, E]).
+
+    The correction bias only shifts *selection*; the weights are the unbiased scores, normalised and scaled.
+    `expert_choices` [T, A] replays recorded choices (routing replay): the bias is then ignored entirely.
+    """
+    scores = router_scores(params, x)
+    if expert_choices is None:
+        bias = jax.lax.stop_gradient(params["e_score_correction_bias"]).astype(jnp.float32)
+        choice = scores + bias
+        if config.topk_group < config.n_group:
+            n_tokens = choice.shape[0]
+            grouped = choice.reshape(n_tokens, config.n_group, -1)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+            _, keep_groups = jax.lax.top_k(group_scores, config.topk_group)
+            group_keep = jnp.zeros((n_tokens, config.n_group), bool).at[
+                jnp.arange(n_tokens)[:, None], keep_groups].set(True)
+            choice = jnp.where(jnp.repeat(group_keep, grouped.shape[-1], axis=1), choice, -jnp.inf)
+        _, expert_ids = jax.lax.top_k(choice, config.num_experts_per_tok)
+    else:
+        expert_ids = expert_choices
+    expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return expert_ids, weights * config.routed_scaling_factor, scores
+
+
+def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
+    """Every expert on every token; combine with the dense [T, E] routing weights."""
+    n_experts = experts["gate_proj"].shape[0]
+    dtype = x.dtype
+    dense_weights = jnp.zeros((x.shape[0], n_experts), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
+    gate = jnp.einsum("TD,EDF->TEF", x, experts["gate_proj"].astype(dtype))
+    up = jnp.einsum("TD,EDF->TEF", x, experts["up_proj"].astype(dtype))
+    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype))
+    return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
+
+
+def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """SwiGLU of rows already sorted by expert; `group_sizes` [E] rows per expert (grouped matmuls)."""
+    dtype = x_sorted.dtype
+    gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
+
+
+def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
+    """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum."""
+    n_tokens, top_k = expert_ids.shape
+    n_experts = experts["gate_proj"].shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes)
+    out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
+    return jnp.zeros_like(x).at[token_of].add(out_sorted)
+
+
+def expert_counts(expert_ids: jax.Array, token_mask: jax.Array, n_experts: int) -> jax.Array:
+    """Tokens routed to each expert [E] (int32), counting real (unmasked) tokens only."""
+    hits = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.int32).sum(1)  # [T, E]
+    return (hits * token_mask[:, None].astype(jnp.int32)).sum(0)
+
+
+def sequence_balance_terms(scores: jax.Array, expert_ids: jax.Array, token_mask: jax.Array,
+                           config: ModelConfig) -> jax.Array:
+    """Per-row sum_i f_i * P_i of the sequence-wise balance loss (weight alpha applied by the loss).
+
+    scores [B, S, E], expert_ids [B, S, A], token_mask [B, S]. f_i = E/(A*T) * #tokens routed to i,
+    P_i = mean over tokens of the normalised affinity s_i / sum_j s_j. Returns [B]."""
+    n_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    mask = token_mask.astype(jnp.float32)
+    n_real = jnp.maximum(mask.sum(-1), 1.0)  # [B]
+    hits = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.float32).sum(2) * mask[..., None]  # [B, S, E]
+    f = hits.sum(1) * n_experts / (top_k * n_real[:, None])
+    normalised = scores / scores.sum(-1, keepdims=True)
+    p = (normalised * mask[..., None]).sum(1) / n_real[:, None]
+    return (jax.lax.stop_gradient(f) * p).sum(-1)
+
+
+def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
+              expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, dict]:
+    """x [B, S, D] -> (output [B, S, D], aux with expert counts, balance terms and the chosen experts)."""
+    b, s, d = x.shape
+    flat = x.reshape(b * s, d)
+    replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
+    expert_ids, weights, scores = route(params, flat, config, replay)
+    backend = config.moe_backend
+    if backend == "reference":
+        routed = experts_reference(params["experts"], flat, expert_ids, weights)
+        aux_extra = {}
+    elif backend == "ragged":
+        routed = experts_ragged(params["experts"], flat, expert_ids, weights)
+        aux_extra = {}
+    else:
+        from glm5_jax.parallel.expert_parallel import experts_ep
+
+        routed, aux_extra = experts_ep(params["experts"], flat, expert_ids, weights, config, mesh)
+    shared = params["shared_experts"]
+    out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
+                          shared["down_proj"]["kernel"])
+    aux = {
+        "expert_counts": expert_counts(expert_ids, token_mask.reshape(-1), config.n_routed_experts),
+        "balance_terms": sequence_balance_terms(scores.reshape(b, s, -1), expert_ids.reshape(b, s, -1),
+                                                token_mask, config),
+        "expert_ids": expert_ids.reshape(b, s, -1),
+        **aux_extra,
+    }
+    return out.reshape(b, s, d), aux

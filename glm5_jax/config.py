@@ -176,6 +176,86 @@ class ModelConfig:
         return self
 
 
+TRAIN_MODES = ("pretrain", "sft", "dsa_warmup", "dsa_sparse", "rl")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What one optimizer step does and how a run is driven."""
+
+    mode: str = "pretrain"
+    steps: int = 100
+    batch_size: int = 8            # sequences per optimizer step (all microbatches together)
+    seq_len: int = 512
+    microbatches: int = 1          # exact gradient accumulation over this many slices of the batch
+    mtp_loss_weight: float = 0.3   # lambda of L_MTP = lambda/D sum_k CE_k (GLM-4.5: 0.3, later 0.1)
+    balance_loss_weight: float = 1e-4
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing step u (GLM-4.5 / GLM-5)
+    indexer_kl_weight: float = 1.0
+    vocab_chunk: int = 8192
+    peak_flops_per_device: float = 0.0  # for MFU; 0 = not reported
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0            # 0 = evaluate only at the end
+    eval_batches: int = 4
+    run_dir: str = "runs/default"
+
+    def validate(self) -> "TrainConfig":
+        if self.mode not in TRAIN_MODES:
+            _fail("train.mode", self.mode, f"must be one of {TRAIN_MODES}")
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "vocab_chunk", "log_every", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(f"train.{name}", value, "must be a positive integer")
+        if self.batch_size % self.microbatches:
+            _fail("train.microbatches", self.microbatches, f"must divide train.batch_size ({self.batch_size})")
+        for name in ("mtp_loss_weight", "balance_loss_weight", "bias_update_rate", "indexer_kl_weight",
+                     "peak_flops_per_device"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name}", getattr(self, name), "must be >= 0")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training tokens come from. `source`: "stdlib" (the Python standard library's own sources, on
+    every machine), "jsonl" ({"text": ...} lines), "chat_jsonl" (messages), "rollouts" (RL records)."""
+
+    source: str = "stdlib"
+    paths: tuple[str, ...] = ()
+    tokenizer: str = "byte"        # "byte" or a path to a Hugging Face tokenizer.json
+    max_files: int = 0             # stdlib: 0 = all
+    validation_fraction: float = 0.05
+    shuffle: bool = True
+    clear_thinking: bool = True    # chat: strip reasoning of earlier turns
+
+    def validate(self) -> "DataConfig":
+        sources = ("stdlib", "jsonl", "chat_jsonl", "rollouts")
+        if self.source not in sources:
+            _fail("data.source", self.source, f"must be one of {sources}")
+        if self.source != "stdlib" and not self.paths:
+            _fail("data.paths", self.paths, f"source {self.source!r} needs at least one path")
+        for path in self.paths:
+            if not Path(path).exists():
+                _fail("data.paths", path, "file not found")
+        if not 0 <= self.validation_fraction < 1:
+            _fail("data.validation_fraction", self.validation_fraction, "must be in [0, 1)")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100               # save every N steps (and at the end)
+    keep: int = 3
+    resume: bool = True            # continue from the latest checkpoint of the run directory
+
+    def validate(self) -> "CheckpointConfig":
+        for name in ("every", "keep"):
+            if getattr(self, name) <= 0:
+                _fail(f"checkpoint.{name}", getattr(self, name), "must be a positive integer")
+        return self
+
+
 # ---------------------------------------------------------------------------------------------
 # Generic loading: nested dataclasses from dicts, YAML files and dotted `key=value` overrides.
 # ---------------------------------------------------------------------------------------------

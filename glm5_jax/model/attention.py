@@ -65,10 +65,11 @@ def output_projection(params: dict, heads_out: jax.Array) -> jax.Array:
     return jnp.einsum("BSHP,HPD->BSD", heads_out, params["o_proj"]["kernel"].astype(heads_out.dtype))
 
 
-def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: ModelConfig) -> jax.Array:
+def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: ModelConfig,
+                       return_probs: bool = False):
     """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
 
-    Returns per-head outputs [B, S, H, P]."""
+    Returns per-head outputs [B, S, H, P] (and the probabilities [B, H, S, T] when asked)."""
     dtype = proj["q_nope"].dtype
     w_uk, w_uv = _split_kv_b(params, config, dtype)
     latent = proj["cache"][..., : config.kv_lora_rank]
@@ -81,7 +82,8 @@ def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: Mod
     probs = jax.nn.softmax(logits, axis=-1)
     # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
     probs = jnp.where(allowed[:, None].any(-1, keepdims=True), probs, 0.0).astype(dtype)
-    return jnp.einsum("BHST,BTHP->BSHP", probs, values)
+    out = jnp.einsum("BHST,BTHP->BSHP", probs, values)
+    return (out, probs) if return_probs else out
 
 
 def absorbed_queries(params: dict, proj: dict, config: ModelConfig) -> jax.Array:
@@ -92,11 +94,12 @@ def absorbed_queries(params: dict, proj: dict, config: ModelConfig) -> jax.Array
 
 
 def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, scale: float,
-                            kv_lora_rank: int) -> tuple[jax.Array, jax.Array]:
+                            kv_lora_rank: int, return_probs: bool = False):
     """jnp reference of sparse MQA attention: gather the N selected latent rows per query.
 
     q [B, S, H, C+R], cache [B, T, C+R], indices [B, S, N] (-1 = unused slot).
-    Returns the latent output [B, S, H, C] and the fp32 log-sum-exp [B, S, H]."""
+    Returns the latent output [B, S, H, C] and the fp32 log-sum-exp [B, S, H] (and, when asked, the
+    probabilities [B, S, H, N] of the selected rows)."""
     valid = indices >= 0
     rows = jax.vmap(lambda c, i: c[i])(cache, jnp.maximum(indices, 0))  # [B, S, N, C+R]
     logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
@@ -104,7 +107,7 @@ def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, 
     lse = jax.nn.logsumexp(logits, axis=-1)
     probs = jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0).astype(q.dtype)
     out = jnp.einsum("BSHN,BSNC->BSHC", probs, rows[..., :kv_lora_rank])
-    return out, lse
+    return (out, lse, probs) if return_probs else (out, lse)
 
 
 def latent_to_heads(params: dict, latent_out: jax.Array, config: ModelConfig) -> jax.Array:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import attention, indexer
+from glm5_jax.model.indexer_kl import attend_with_indexer_kl
 from glm5_jax.model.layers import normal_init, rms_norm, swiglu
 from glm5_jax.model.moe import init_moe, moe_block
 
@@ -65,11 +66,12 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
 def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: LayerContext,
                   prev_topk: jax.Array | None, config: ModelConfig, *, run_indexer: jax.Array | bool = True,
                   expert_choices: jax.Array | None = None, topk_override: jax.Array | None = None,
-                  mesh=None) -> tuple[jax.Array, jax.Array, dict]:
+                  indexer_mode: str | None = None, mesh=None) -> tuple[jax.Array, jax.Array, dict]:
     """Returns (new hidden [B, S, D], the top-k used [B, S, N], aux).
 
     `run_indexer` False (a traced bool is fine) reuses `prev_topk` (IndexShare "shared" layers);
-    `topk_override` replays recorded indexer selections."""
+    `topk_override` replays recorded indexer selections. `indexer_mode` ("dense_warmup" | "sparse") also
+    returns the indexer KL terms (see `glm5_jax.model.indexer_kl`)."""
     eps = config.rms_norm_eps
     h = rms_norm(x, layer["input_norm"]["scale"], eps)
     proj = attention.project(layer["attn"], h, ctx.cos, ctx.sin, config)
@@ -80,7 +82,13 @@ def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: L
     else:
         topk = jax.lax.cond(run_indexer, lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config),
                             lambda: prev_topk)
-    x = x + attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)
+    if indexer_mode is None:
+        x = x + attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)
+        kl_aux = {}
+    else:
+        attn_out, kl_aux = attend_with_indexer_kl(layer["attn"], indexer_params, h, proj, topk, ctx.segment_ids,
+                                                  ctx.token_mask, ctx.cos, ctx.sin, config, indexer_mode)
+        x = x + attn_out
     h = rms_norm(x, layer["post_attn_norm"]["scale"], eps)
     if "moe" in layer:
         ffn, aux = moe_block(layer["moe"], h, ctx.token_mask, config, expert_choices, mesh)
@@ -88,4 +96,4 @@ def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: L
         mlp = layer["mlp"]
         ffn = swiglu(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
         aux = {}
-    return x + ffn, topk, aux
+    return x + ffn, topk, {**aux, **kl_aux}

@@ -32,33 +32,37 @@ def init_mtp(config: ModelConfig, key: jax.Array, dtype) -> dict:
     }
 
 
-def shift_within_segment(tokens: jax.Array, segment_ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """(t_{i+k} or 0, valid) for every position i; valid means i+k exists and shares i's segment."""
-    s = tokens.shape[1]
-    if k >= s:
-        return jnp.zeros_like(tokens), jnp.zeros(tokens.shape, bool)
-    shifted = jnp.pad(tokens[:, k:], ((0, 0), (0, k)))
-    shifted_seg = jnp.pad(segment_ids[:, k:], ((0, 0), (0, k)), constant_values=-1)
+def shift_within_segment(tokens: jax.Array, segment_ids: jax.Array, k) -> tuple[jax.Array, jax.Array]:
+    """(t_{i+k} or 0, valid) for every position i; valid means i+k exists and shares i's segment.
+    `k` may be a traced integer (the MTP depth loop is a scan)."""
+    b, s = tokens.shape
+    padded_tokens = jnp.pad(tokens, ((0, 0), (0, s)))
+    padded_seg = jnp.pad(segment_ids, ((0, 0), (0, s)), constant_values=-1)
+    shifted = jax.lax.dynamic_slice_in_dim(padded_tokens, k, s, axis=1)
+    shifted_seg = jax.lax.dynamic_slice_in_dim(padded_seg, k, s, axis=1)
     valid = (shifted_seg == segment_ids) & (segment_ids > 0)
     return jnp.where(valid, shifted, 0), valid
 
 
 def mtp_forward(mtp: dict, embedding: jax.Array, h0: jax.Array, tokens: jax.Array, ctx: LayerContext,
-                config: ModelConfig, num_steps: int, mesh=None) -> tuple[jax.Array, dict]:
-    """Returns the normed MTP hidden states [num_steps, B, S, D] and the MTP layer's aux per step."""
+                config: ModelConfig, num_steps: int, mesh=None, indexer_mode: str | None = None
+                ) -> tuple[jax.Array, dict]:
+    """Returns the normed MTP hidden states [num_steps, B, S, D] and the MTP layer's aux per step.
+    The depth loop is a `lax.scan`, so the shared module is compiled once whatever the depth."""
     eps = config.rms_norm_eps
     dtype = h0.dtype
     layer = {k: v for k, v in mtp["layer"].items() if k != "indexer"}
-    h_prev = h0
-    outputs, auxes = [], []
-    for k in range(1, num_steps + 1):
+
+    def depth_step(h_prev, k):
         shifted, valid = shift_within_segment(tokens, ctx.segment_ids, k)
         emb = embedding[shifted].astype(dtype)
         merged = jnp.concatenate([rms_norm(emb, mtp["enorm"]["scale"], eps),
                                   rms_norm(h_prev, mtp["hnorm"]["scale"], eps)], axis=-1)
         x = merged @ mtp["eh_proj"]["kernel"].astype(dtype)
         step_ctx = ctx._replace(token_mask=ctx.token_mask & valid)
-        h_prev, _, aux = decoder_layer(layer, mtp["layer"]["indexer"], x, step_ctx, None, config, mesh=mesh)
-        outputs.append(rms_norm(h_prev, mtp["shared_head_norm"]["scale"], eps))
-        auxes.append(aux)
-    return jnp.stack(outputs), jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+        h, _, aux = decoder_layer(layer, mtp["layer"]["indexer"], x, step_ctx, None, config,
+                                  indexer_mode=indexer_mode, mesh=mesh)
+        return h, (rms_norm(h, mtp["shared_head_norm"]["scale"], eps), aux)
+
+    _, (outputs, aux) = jax.lax.scan(depth_step, h0, jnp.arange(1, num_steps + 1))
+    return outputs, aux

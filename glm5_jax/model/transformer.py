@@ -73,7 +73,8 @@ def init(config: ModelConfig, rng: jax.Array) -> dict:
 
 def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: LayerContext,
                config: ModelConfig, layer_ids: np.ndarray, *, collect_routing: bool,
-               expert_choices: jax.Array | None, topk_override: jax.Array | None, mesh) -> tuple:
+               expert_choices: jax.Array | None, topk_override: jax.Array | None, indexer_mode: str | None,
+               mesh) -> tuple:
     types = [config.layer_indexer_types[i] for i in layer_ids]
     all_full = all(t == "full" for t in types)
     slots = full_indexer_slots(config)[layer_ids]
@@ -89,7 +90,8 @@ def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: 
         h, new_topk, aux = decoder_layer(
             xs_l["layer"], xs_l["indexer"], h, ctx, prev_topk, config,
             run_indexer=True if all_full else xs_l["is_full"],
-            expert_choices=xs_l.get("expert_choices"), topk_override=xs_l.get("topk_override"), mesh=mesh)
+            expert_choices=xs_l.get("expert_choices"), topk_override=xs_l.get("topk_override"),
+            indexer_mode=indexer_mode, mesh=mesh)
         if not collect_routing:
             aux = {k: v for k, v in aux.items() if k != "expert_ids"}
         else:
@@ -105,7 +107,7 @@ def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: 
 def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, return_logits: bool = True, mtp_steps: int | None = None,
             collect_routing: bool = False, expert_choices: jax.Array | None = None,
-            topk_indices: jax.Array | None = None, mesh=None) -> ModelOutput:
+            topk_indices: jax.Array | None = None, indexer_mode: str | None = None, mesh=None) -> ModelOutput:
     """Pure forward pass.
 
     tokens [B, S] int; positions [B, S] (default 0..S-1; restart per packed document); segment_ids [B, S]
@@ -113,6 +115,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, positions: 
     `mtp_steps` overrides config.mtp_num_steps (0 disables MTP). `collect_routing` adds the per-layer top-k
     indices (`aux["topk"]` [L, B, S, N]) and expert choices (`aux["expert_ids"]` [L_moe, B, S, A]) to aux;
     `expert_choices` / `topk_indices` with those shapes replay recorded routing (routing replay).
+    `indexer_mode` ("dense_warmup" | "sparse") adds per-layer indexer KL terms to aux (DSA training).
     """
     validate_forward_inputs(params, tokens, positions, segment_ids, config, expert_choices, topk_indices)
     b, s = tokens.shape
@@ -138,10 +141,13 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, positions: 
         override = None if topk_indices is None else topk_indices[layer_ids[0]: layer_ids[-1] + 1]
         x, topk, aux_by_stack[name] = _run_stack(
             params[name], params["indexers"], x, topk, ctx, config, layer_ids, collect_routing=collect_routing,
-            expert_choices=choices, topk_override=override, mesh=mesh)
+            expert_choices=choices, topk_override=override, indexer_mode=indexer_mode, mesh=mesh)
 
     hidden = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
     aux = dict(aux_by_stack.get("moe_layers", {}))
+    if indexer_mode is not None:
+        for key in ("indexer_kl_sum", "indexer_kl_count", "topk_mass_sum"):
+            aux[key] = jnp.concatenate([aux_by_stack[n][key] for n, _ in stacks])
     if collect_routing:
         aux["topk"] = jnp.concatenate([aux_by_stack[n]["topk"] for n, _ in stacks])
 
@@ -149,7 +155,7 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, positions: 
     mtp_hidden = mtp_logits = None
     if steps and "mtp" in params:
         mtp_hidden, aux["mtp"] = mtp_forward(params["mtp"], params["embed"]["embedding"], hidden, tokens, ctx,
-                                             config, steps, mesh)
+                                             config, steps, mesh, indexer_mode)
         if not collect_routing:
             aux["mtp"].pop("expert_ids", None)
     logits = None

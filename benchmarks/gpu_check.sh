@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU check of the Pallas DSA kernels on one H200 (or H100), under 8 minutes, no network, no grain.
+# Run from the repository root:   PYTHONPATH=. bash benchmarks/gpu_check.sh
+# Every result is a JSON line, printed and written to "${OUT:-/tmp}/gpu_check.jsonl".
+set -uo pipefail
+
+OUT_FILE="${OUT:-/tmp}/gpu_check.jsonl"
+mkdir -p "$(dirname "$OUT_FILE")"
+: > "$OUT_FILE"
+export PYTHONPATH="${PYTHONPATH:-.}"
+export PYTHONUNBUFFERED=1
+
+# run_step SECONDS NAME COMMAND...: one benchmark under a hard time cap; a crash or a timeout becomes an
+# error line, and the steps after it still run.
+run_step() {
+    local seconds="$1" name="$2"
+    shift 2
+    timeout --kill-after=10 "$seconds" "$@"
+    local status=$?
+    if [ "$status" -ne 0 ]; then
+        echo "{\"check\": \"$name\", \"error\": \"exit status $status (124: stopped after ${seconds} s)\"}" \
+            | tee -a "$OUT_FILE"
+    fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/# gpu: /'
+
+# Kernels: correctness at GLM-5 shapes, then forward / forward+backward time and TFLOP/s against dense
+# attention at S = 8K..64K (N = 2048, H = 64, C = 512, R = 64, bf16). Stops starting measurements at 330 s.
+run_step 420 pallas_kernels python3 benchmarks/gpu_kernels.py --budget-s 330 --out "$OUT_FILE"
+
+# Further benchmarks go here as more run_step lines sharing the 8-minute total (about 50 s are left),
+# e.g. a training step:  run_step 50 train_step python3 -m benchmarks.<module> --out "$OUT_FILE"
+
+echo "# $(wc -l < "$OUT_FILE") JSON lines in $OUT_FILE"

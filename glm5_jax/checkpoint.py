@@ -1,0 +1,184 @@
+"""Orbax checkpoints of a training run: params, optimizer state, step, data-iterator state and config.
+
+One `Checkpointer` per run directory. Each saved step is a folder `<directory>/<step>` holding the items
+"params" and "opt_state" (orbax standard pytrees), "data_state" and "config" (JSON). Orbax writes a step into
+a temporary folder and renames it only once every item is complete, so a crash mid-save leaves the earlier
+steps as the latest restorable ones; leftover temporary folders are ignored and cleaned up on start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or restored as asked."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """Refused to save: the loss or the parameters are not finite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredCheckpoint:
+    step: int
+    params: Any
+    opt_state: Any  # None when restored without an optimizer-state target
+    data_state: Any  # the JSON value given to `save` (e.g. a grain iterator's `get_state()`), or None
+    config: Any  # the config saved with the step, as plain JSON data, or None
+
+
+def _key_name(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _abstract(tree):
+    """Shape/dtype/sharding targets for orbax, from concrete or already-abstract arrays."""
+    def leaf(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(leaf, tree)
+
+
+def _as_json(name: str, value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{name} must be JSON-serialisable (a dict of numbers, strings, lists): {err}") from err
+
+
+def _first_non_finite(tree) -> str | None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
+            return "/".join(_key_name(k) for k in path)
+    return None
+
+
+class Checkpointer:
+    """Save every `save_interval_steps` steps, keep the newest `max_to_keep`, restore the latest by default."""
+
+    def __init__(self, directory: str | Path, *, save_interval_steps: int = 1000, max_to_keep: int = 3,
+                 enable_async: bool = False):
+        for name, value in (("save_interval_steps", save_interval_steps), ("max_to_keep", max_to_keep)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"{name}={value!r} is invalid: must be an integer >= 1")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
+            cleanup_tmp_directories=True, enable_async_checkpointing=enable_async)
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                    "data_state": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, *, params, opt_state, data_state: Any = None, config: Any = None,
+             force: bool = False) -> bool:
+        """Save `step` if it falls on the save interval (or `force`); returns whether it was saved."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"step={step!r} is invalid: must be a non-negative integer")
+        if not force and not self._manager.should_save(step):
+            return False
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            data_state=ocp.args.JsonSave({"value": _as_json("data_state", data_state)}),
+            config=ocp.args.JsonSave({"value": _as_json("config", config)}),
+        )
+        return bool(self._manager.save(step, args=args, force=force))
+
+    def save_if_finite(self, step: int, *, loss, params, opt_state, data_state: Any = None, config: Any = None,
+                       force: bool = False) -> bool:
+        """Like `save`, but raise NonFiniteStateError instead of writing a NaN/inf loss or parameter."""
+        if not force and not self._manager.should_save(step):
+            return False
+        bad_param = _first_non_finite(params)
+        bad = f"loss={float(loss)}" if not math.isfinite(float(loss)) else bad_param and f"params['{bad_param}']"
+        if bad:
+            raise NonFiniteStateError(
+                f"not saving step {step}: {bad} is not finite; the last good checkpoint "
+                f"(step {self.latest_step()}) in {self.directory} is kept")
+        return self.save(step, params=params, opt_state=opt_state, data_state=data_state, config=config,
+                         force=force)
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore(self, params, opt_state=None, *, step: int | None = None) -> RestoredCheckpoint:
+        """Restore `step` (default: the latest) into the structure, dtypes and shardings of the targets.
+
+        `params` / `opt_state` may be concrete arrays or `jax.ShapeDtypeStruct`s (with shardings, to restore
+        directly into a sharded layout). Without `opt_state` the optimizer state is not read.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+        elif step not in self._manager.all_steps():
+            raise CheckpointError(f"step={step} is not in {self.directory}; available steps: {self.all_steps()}")
+        self._check_param_shapes(step, params)
+        items = {"params": ocp.args.StandardRestore(_abstract(params)),
+                 "data_state": ocp.args.JsonRestore(), "config": ocp.args.JsonRestore()}
+        if opt_state is not None:
+            items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(
+                f"cannot restore step {step} from {self.directory} into the given optimizer state "
+                f"(a different optimizer config?): {err}") from err
+        return RestoredCheckpoint(step=step, params=restored["params"],
+                                  opt_state=restored["opt_state"] if opt_state is not None else None,
+                                  data_state=restored["data_state"]["value"], config=restored["config"]["value"])
+
+    def _check_param_shapes(self, step: int, params) -> None:
+        metadata = self._manager.item_metadata(step)["params"]
+        stored = _shapes_by_path(getattr(metadata, "tree", metadata))
+        target = _shapes_by_path(params)
+        for path, shape in target.items():
+            if path not in stored:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} has no parameter '{path}' "
+                                      f"(target shape {shape})")
+            if stored[path] != shape:
+                raise CheckpointError(f"parameter '{path}' has shape {stored[path]} in checkpoint step {step} "
+                                      f"but {shape} in the target model: refusing to restore")
+        extra = sorted(set(stored) - set(target))
+        if extra:
+            raise CheckpointError(f"checkpoint step {step} has parameter '{extra[0]}' (shape {stored[extra[0]]}) "
+                                  "that the target model lacks")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def wait_until_finished(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,203 @@
+"""MTP speculative decoding: the shared MTP module drafts k tokens, the main model verifies them in one
+forward over the cache, and the standard speculative-sampling rule accepts a prefix.
+
+Invariant at the start of a step, per row: the main cache holds positions < n, the newest emitted token x
+(position n) is not fed yet, and the MTP cache holds the depth-1 entries (t_{j+1}, h_0[j]) for j <= n - 1
+(h_0 = the main model's final normed hidden state, as `model/mtp.py` documents), whose output at n - 1
+gives the first draft's logits. One step:
+1. draft: d_1 from those logits; for depth k >= 2 the MTP module is applied again to (d_{k-1}, its own
+   previous raw output) at the next position, as vLLM and SGLang chain a single MTP layer (the entries of
+   depth >= 2 are provisional and overwritten in step 4);
+2. verify: the main model over [x, d_1 .. d_k] at positions n .. n + k (one forward, cache written);
+3. accept: greedy keeps d_i while it equals the main model's argmax; sampling accepts d_i with probability
+   min(1, p(d_i) / q(d_i)) and, at the first rejection, draws from norm(max(0, p - q)) (else from the last
+   p). Both p and q are the processed (temperature + top-p) distributions, so the emitted tokens are
+   distributed exactly as plain sampling from p; greedy output equals plain greedy decoding token for token.
+   A row emits its a accepted drafts plus that corrected / bonus token;
+4. roll back and extend: the row's length becomes n + a + 1, so the rejected drafts' cache rows are
+   invisible and overwritten later; the MTP module runs once over the a + 1 new depth-1 entries.
+
+Acceptance length (reported as `GenerationOutput.acceptance_length`): the mean, over verify forwards of
+unfinished rows, of accepted drafts + 1, i.e. tokens produced per main-model forward (1 = no draft ever
+accepted, k + 1 = all accepted), counted before EOS / max_new_tokens truncation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.generation.cache import KVCache, mtp_cache
+from glm5_jax.generation.cached_model import cached_forward, cached_mtp, new_tokens
+from glm5_jax.generation.decode import (DecodeState, GenerationOutput, emit, host_output, prefill_state,
+                                        record_routing)
+from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
+from glm5_jax.generation.sampling import (GenerationError, SamplingMode, SamplingParams, SamplingValues,
+                                          recorded_logprobs, sample_tokens, sampling_probs, split_sampling)
+from glm5_jax.model.transformer import dtype_of, lm_head_logits
+
+
+class SpeculativeState(NamedTuple):
+    decode: DecodeState
+    mtp_cache: KVCache
+    mtp_hidden: jax.Array   # [B, D] raw MTP output at position length - 1 (feeds depth 2)
+    mtp_logits: jax.Array   # [B, V] its logits: the first draft's distribution
+    accepted: jax.Array     # [B] sum over verify forwards of accepted drafts + 1
+    verify_steps: jax.Array  # [B] verify forwards while the row was unfinished
+
+
+def accept_drafts(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
+                  mode: SamplingMode, values: SamplingValues) -> tuple[jax.Array, jax.Array]:
+    """The speculative-sampling rule. drafts [B, K] drawn from draft_logits [B, K, V]; target_logits
+    [B, K + 1, V] of the main model at the positions before each draft and after the last one.
+
+    Returns (accepted drafts a [B], the token that follows them [B])."""
+    k = drafts.shape[1]
+    if mode.greedy:
+        choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
+        accepted = jnp.cumprod(drafts == choice[:, :k], axis=-1).sum(-1)
+        return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
+    uniform_key, residual_key = jax.random.split(key)
+    p = sampling_probs(target_logits, mode, values)  # [B, K + 1, V]
+    q = sampling_probs(draft_logits, mode, values)   # [B, K, V]
+    p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    # u < min(1, p/q) written without the division (q > 0 for a token drawn from q).
+    accept = jax.random.uniform(uniform_key, drafts.shape) * q_draft < p_draft
+    accepted = jnp.cumprod(accept, axis=-1).sum(-1)
+    p_next = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    q_next = jnp.take_along_axis(q, jnp.minimum(accepted, k - 1)[:, None, None], axis=1)[:, 0]
+    q_next = jnp.where((accepted < k)[:, None], q_next, 0.0)
+    residual = jnp.maximum(p_next - q_next, 0.0)
+    # A rejection implies p != q, so the residual has mass; the fallback only guards rounding.
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
+    return accepted, jax.random.categorical(residual_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+
+
+def mean_acceptance_length(accepted: np.ndarray, verify_steps: np.ndarray) -> float:
+    """Tokens per verify forward over all rows: sum(accepted drafts + 1) / number of verify forwards."""
+    steps = int(np.sum(verify_steps))
+    return float(np.sum(accepted)) / steps if steps else 0.0
+
+
+def _extend_mtp(params: dict, cache: KVCache, tokens: jax.Array, hidden: jax.Array, positions: jax.Array,
+                count: jax.Array, active: jax.Array, config: ModelConfig) -> tuple[KVCache, jax.Array, jax.Array]:
+    """Write the depth-1 entries (tokens[:, i], hidden[:, i]) at positions[:, i] for i < count; return the
+    cache and the MTP output (raw hidden [B, D], logits [B, V]) of each row's last new entry."""
+    max_len = cache.latent.shape[2]
+    real = (jnp.arange(tokens.shape[1])[None, :] < count[:, None]) & active[:, None]
+    raw, normed, cache = cached_mtp(params, cache, tokens, hidden, new_tokens(positions, real, max_len, config),
+                                    config)
+    last = (count - 1)[:, None, None]
+    raw_last = jnp.take_along_axis(raw, last, axis=1)[:, 0]
+    logits = lm_head_logits(params, jnp.take_along_axis(normed, last, axis=1))[:, 0]
+    return cache, raw_last, logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mode", "max_len", "max_new_tokens", "collect_routing",
+                                             "return_logits"))
+def speculative_prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+                        values: SamplingValues, *, config: ModelConfig, mode: SamplingMode, max_len: int,
+                        max_new_tokens: int, collect_routing: bool, return_logits: bool) -> SpeculativeState:
+    """Prefill the main cache, emit the first token x, and fill the MTP cache with the prompt's depth-1
+    entries (t_{j+1}, h_0[j]), x standing in for t_P at the last prompt position."""
+    state, hidden = prefill_state(params, prompts, prompt_lengths, key, values, config=config, mode=mode,
+                                  max_len=max_len, max_new_tokens=max_new_tokens, collect_routing=collect_routing,
+                                  return_logits=return_logits)
+    b, p = prompts.shape
+    shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), prompts.dtype)], axis=1)
+    shifted = shifted.at[jnp.arange(b), prompt_lengths - 1].set(state.next_token)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    cache = mtp_cache(config, b, max_len, dtype_of(config.compute_dtype))
+    cache, mtp_hidden, mtp_logits = _extend_mtp(params, cache, shifted, hidden, positions, prompt_lengths,
+                                                jnp.ones((b,), bool), config)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return SpeculativeState(state, cache, mtp_hidden, mtp_logits, zeros, zeros)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mode", "num_draft"), donate_argnames=("state",))
+def speculative_step(params: dict, state: SpeculativeState, values: SamplingValues, *, config: ModelConfig,
+                     mode: SamplingMode, num_draft: int) -> SpeculativeState:
+    """Draft `num_draft` tokens with the MTP module, verify them in one main-model forward, accept a prefix."""
+    decode = state.decode
+    active = ~decode.out.done
+    n = decode.length
+    max_len = decode.cache.latent.shape[2]
+    key, draft_key, accept_key = jax.random.split(decode.key, 3)
+    draft_keys = jax.random.split(draft_key, num_draft)
+
+    drafts, draft_logits = [], []
+    cache, hidden, logits = state.mtp_cache, state.mtp_hidden, state.mtp_logits
+    for depth in range(num_draft):
+        token = sample_tokens(draft_keys[depth], logits, mode, values)
+        drafts.append(token)
+        draft_logits.append(logits)
+        if depth + 1 < num_draft:
+            new = new_tokens((n + depth)[:, None], active[:, None], max_len, config)
+            raw, normed, cache = cached_mtp(params, cache, token[:, None], hidden[:, None], new, config)
+            hidden, logits = raw[:, 0], lm_head_logits(params, normed)[:, 0]
+    drafts = jnp.stack(drafts, axis=1)  # [B, K]
+
+    fed = jnp.concatenate([decode.next_token[:, None], drafts], axis=1)  # [B, K + 1]
+    positions = n[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
+    verify = cached_forward(params, decode.cache, fed,
+                            new_tokens(positions, jnp.broadcast_to(active[:, None], fed.shape), max_len, config),
+                            config, decode.routing is not None)
+    target_logits = lm_head_logits(params, verify.hidden)
+    accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits, mode,
+                                         values)
+    index = jnp.arange(num_draft + 1)[None, :]
+    emitted = jnp.where(index < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
+    logprobs = recorded_logprobs(verify.hidden, params["lm_head"]["kernel"], emitted, values)
+    out = emit(decode.out, emitted, logprobs, accepted + 1, values, target_logits)
+
+    cache, mtp_hidden, mtp_logits = _extend_mtp(params, cache, emitted, verify.hidden, positions, accepted + 1,
+                                                active, config)
+    keep = active[:, None]
+    return SpeculativeState(
+        decode=DecodeState(
+            cache=verify.cache,
+            length=jnp.where(active, n + accepted + 1, n),
+            next_token=jnp.where(active, next_token, decode.next_token),
+            key=key,
+            out=out,
+            routing=record_routing(decode.routing, verify, positions, active),
+        ),
+        mtp_cache=cache,
+        mtp_hidden=jnp.where(keep, mtp_hidden, state.mtp_hidden),
+        mtp_logits=jnp.where(keep, mtp_logits, state.mtp_logits),
+        accepted=state.accepted + jnp.where(active, accepted + 1, 0),
+        verify_steps=state.verify_steps + active.astype(jnp.int32),
+    )
+
+
+def speculative_generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelConfig,
+                         sampling: SamplingParams = SamplingParams(), num_draft: int = 3,
+                         rng: jax.Array | None = None, max_len: int | None = None, collect_routing: bool = False,
+                         return_logits: bool = False) -> GenerationOutput:
+    """`generate` with MTP drafting of `num_draft` tokens per main-model forward; same outputs (tokens,
+    logprobs, routing) plus `acceptance_length`. `max_len` must leave `num_draft` slots of lookahead
+    (default: longest prompt + max_new_tokens + num_draft)."""
+    check_model(params, config, needs_mtp=True)
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+        raise GenerationError(f"num_draft={num_draft!r} is invalid: must be an integer >= 1")
+    sampling = sampling.validate(config.vocab_size)
+    padded, lengths = padded_prompts(prompts, config.vocab_size)
+    max_len = resolve_max_len(max_len, lengths, sampling, num_draft, config)
+    mode, values = split_sampling(sampling)
+    rng = jax.random.key(0) if rng is None else rng
+    state = speculative_prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config,
+                                mode=mode, max_len=max_len, max_new_tokens=sampling.max_new_tokens,
+                                collect_routing=collect_routing, return_logits=return_logits)
+    for _ in range(sampling.max_new_tokens - 1):
+        if bool(state.decode.out.done.all()):
+            break
+        state = speculative_step(params, state, values, config=config, mode=mode, num_draft=num_draft)
+    acceptance = mean_acceptance_length(np.asarray(state.accepted), np.asarray(state.verify_steps))
+    return host_output(padded, lengths, state.decode.out, state.decode.routing, sampling, acceptance)

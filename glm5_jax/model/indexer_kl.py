@@ -1,0 +1,66 @@
+"""Attention that also measures how well the lightning indexer predicts it (DSA continued pre-training).
+
+Target per query: p = L1-normalised head sum of the main attention probabilities (a stop-gradient target).
+Indexer distribution: softmax of the index scores. Loss per query: KL(p || softmax(I)).
+- `dense_warmup`: attention stays dense over every visible key; the KL runs over all of them.
+- `sparse`: attention over the selected top-k only; the KL is restricted to the selected set.
+The indexer reads detached inputs, so it learns only from the KL and the model only from the LM loss.
+On IndexShare "shared" layers the KL trains the source layer's indexer toward this layer's attention too
+(the one indexer serves both layers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import attention, indexer
+from glm5_jax.model.layers import MASK_VALUE
+from glm5_jax.model.masks import selected_mask, visible_keys
+
+INDEXER_MODES = ("dense_warmup", "sparse")
+
+
+def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
+    """sum over keys of p * (log p - log_softmax(index_logits)), with invalid keys excluded. -> [B, S]"""
+    log_q = jax.nn.log_softmax(jnp.where(valid, index_logits, MASK_VALUE), axis=-1)
+    terms = jnp.where(valid & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
+    return terms.sum(-1)
+
+
+def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj: dict, topk: jax.Array,
+                           segment_ids: jax.Array, token_mask: jax.Array, cos, sin, config: ModelConfig,
+                           mode: str) -> tuple[jax.Array, dict]:
+    """Returns (attention output [B, S, D], {indexer_kl_sum, indexer_kl_count, topk_mass_sum})."""
+    q_i, w_i = indexer.indexer_queries(indexer_params, jax.lax.stop_gradient(proj["q_resid"]),
+                                       jax.lax.stop_gradient(h), cos, sin, config)
+    k_i = indexer.indexer_keys(indexer_params, jax.lax.stop_gradient(h), cos, sin, config)
+    if mode == "dense_warmup":
+        visible = visible_keys(segment_ids, segment_ids)
+        heads, probs = attention.expanded_attention(attn, proj, visible, config, return_probs=True)
+        p = jax.lax.stop_gradient(probs.astype(jnp.float32).mean(1))  # [B, S, T], rows sum to 1
+        scores = indexer.index_scores(q_i, k_i, w_i, segment_ids, segment_ids)
+        kl = _kl(p, scores, visible)
+        captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
+    elif mode == "sparse":
+        q = attention.absorbed_queries(attn, proj, config)
+        latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
+                                                             config.kv_lora_rank, return_probs=True)
+        heads = attention.latent_to_heads(attn, latent, config)
+        p = jax.lax.stop_gradient(probs.astype(jnp.float32).mean(2))  # [B, S, N]
+        valid = topk >= 0
+        keys = jax.vmap(lambda k, i: k[i])(k_i, jnp.maximum(topk, 0))  # [B, S, N, J]: only selected rows
+        logits = jnp.einsum("BSIJ,BSNJ->BSIN", q_i.astype(jnp.float32), keys.astype(jnp.float32))
+        selected_scores = jnp.einsum("BSI,BSIN->BSN", w_i, jax.nn.relu(logits * q_i.shape[-1] ** -0.5))
+        kl = _kl(p, selected_scores, valid)
+        captured = jnp.where(token_mask, 1.0, 0.0)  # the attention *is* the selected set
+    else:
+        raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")
+    real = token_mask.astype(jnp.float32)
+    aux = {
+        "indexer_kl_sum": (kl * real).sum(),
+        "indexer_kl_count": real.sum(),
+        "topk_mass_sum": (captured * real).sum(),
+    }
+    return attention.output_projection(attn, heads), aux

@@ -1,0 +1,424 @@
+"""`glm5 plan CONFIG mesh.<axis>=N ... [batch= seq= remat= optimizer= device_memory_gib=]`: per-device memory and
+per-step communication of a training configuration on a mesh, worked out on paper (no device, no weights).
+
+Memory per device:
+- parameters, gradients and optimizer state: every leaf's bytes divided by the shards the rule table gives it
+  (the optimizer state is `jax.eval_shape` of the real optax optimizer, so AdamW's two moments and Muon's one
+  momentum per matrix are exact);
+- saved activations: what reverse-mode AD keeps from the forward for the backward, read off `jax.vjp`'s
+  residuals while tracing the real model and loss with abstract per-device shapes (batch split over the
+  batch axes, heads / MLP / vocabulary split over `tensor`), so the remat policy and the attention / MoE
+  backends are accounted exactly as they are implemented; the expert-parallel dispatch buffers are traced at
+  their per-device size;
+- backward working set: while one layer's backward runs, its activations are live twice (values and
+  cotangents), three times under remat (the recomputed forward too); plus the logits' cotangent and, with
+  FSDP, one layer's gathered weights and their unreduced gradients.
+Communication per device and step (bytes sent, ring algorithms): FSDP all-gathers (forward and backward) and
+gradient reduce-scatters, data-parallel gradient all-reduces, expert all-to-alls (dispatch and return, forward,
+backward and remat recompute), tensor-parallel all-reduces of each layer's attention / FFN / indexer outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import REMAT_POLICIES, ConfigError, ModelConfig, load_model_config
+from glm5_jax.parallel.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
+                                               dispatch_without_exchange)
+from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig
+from glm5_jax.parallel.rules import logical_to_spec, param_specs, path_names
+from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+
+GIB = 1024**3
+OPTIMIZER_NAMES = ("adamw", "muon")
+DEFAULT_DEVICE_MEMORY_GIB = 141.0  # H200
+
+
+class PlanError(ValueError):
+    """A plan setting is invalid or the configuration cannot be laid out on the mesh."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """What to plan for. `batch` is the global microbatch in sequences (default: one per batch shard)."""
+
+    batch: int | None = None
+    seq: int = 4096
+    remat: str | None = None  # default: the model config's remat_policy
+    optimizer: str = "muon"
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB
+
+    def validate(self) -> "PlanSettings":
+        for name in ("batch", "seq"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PlanError(f"{name}={value!r} is invalid: must be a positive integer")
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            raise PlanError(f"remat={self.remat!r} is invalid: must be one of {REMAT_POLICIES}")
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise PlanError(f"optimizer={self.optimizer!r} is invalid: must be one of {OPTIMIZER_NAMES}")
+        if isinstance(self.device_memory_gib, bool) or not isinstance(self.device_memory_gib, (int, float)) \
+                or not self.device_memory_gib > 0:
+            raise PlanError(f"device_memory_gib={self.device_memory_gib!r} is invalid: must be a number > 0")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes of sharded trees
+# ---------------------------------------------------------------------------------------------
+
+def _nbytes(leaf) -> int:
+    return math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+
+
+def _shards(spec, sizes: dict[str, int]) -> int:
+    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    return math.prod(sizes[a] for a in axes)
+
+
+def _spec_axes(spec) -> set[str]:
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def sharded_param_bytes(params, sizes: dict[str, int]) -> int:
+    specs = param_specs(params, sizes)
+    return sum(_nbytes(leaf) // _shards(spec, sizes)
+               for leaf, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec)))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def optimizer_state_bytes(params, optimizer: str, sizes: dict[str, int]) -> int:
+    from glm5_jax.train.optim import OptimConfig, make_optimizer
+
+    tx = make_optimizer(OptimConfig(name=optimizer), params)
+    state = jax.eval_shape(tx.init, params)
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        spec = state_leaf_spec(path_names(path), tuple(leaf.shape), sizes)
+        total += _nbytes(leaf) // _shards(spec, sizes)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations, traced at per-device shapes
+# ---------------------------------------------------------------------------------------------
+
+def _local(size: int, logical: str, sizes: dict[str, int]) -> int:
+    """Per-device extent of a dim of `size` carrying `logical` (the rule table decides the split)."""
+    spec = logical_to_spec((logical,), (size,), sizes)
+    return size // _shards(spec, sizes)
+
+
+def per_device_config(config: ModelConfig, sizes: dict[str, int], remat: str) -> ModelConfig:
+    """The model as one device sees it under tensor parallelism (heads, MLP widths, vocabulary split)."""
+    return dataclasses.replace(
+        config,
+        num_attention_heads=_local(config.num_attention_heads, "heads", sizes),
+        index_n_heads=_local(config.index_n_heads, "index_heads", sizes),
+        intermediate_size=_local(config.intermediate_size, "mlp", sizes),
+        moe_intermediate_size=_local(config.moe_intermediate_size, "expert_mlp", sizes),
+        vocab_size=_local(config.vocab_size, "vocab", sizes),
+        remat_policy=remat,
+    ).validate()
+
+
+def _residual_bytes(fn, inputs: tuple, exclude: int) -> int:
+    """Bytes reverse-mode AD keeps from `fn(*inputs)` for its backward, not counting the first `exclude`
+    inputs themselves (parameters, loop-invariant context): they are stored anyway."""
+    def residuals(*args):
+        _, vjp_fn = jax.vjp(fn, *args)
+        stored = {id(leaf) for leaf in jax.tree.leaves(args[:exclude])}
+        return list({id(r): r for r in jax.tree.leaves(vjp_fn) if id(r) not in stored}.values())
+    return sum(_nbytes(r) for r in jax.eval_shape(residuals, *inputs))
+
+
+def _mean_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def planning_loss(params, tokens: jax.Array, config: ModelConfig) -> jax.Array:
+    """Next-token cross-entropy of the main head plus that of every MTP depth (what training backpropagates)."""
+    from glm5_jax.model.transformer import forward
+
+    out = forward(params, tokens, config=config)
+    loss = _mean_cross_entropy(out.logits, tokens)
+    if out.mtp_logits is not None:
+        loss = loss + _mean_cross_entropy(out.mtp_logits, jnp.broadcast_to(tokens, out.mtp_logits.shape[:-1]))
+    return loss
+
+
+def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, seq: int) -> int:
+    """Saved activations of one decoder layer of `kind` ("dense_layers" | "moe_layers") without remat."""
+    from glm5_jax.model.decoder import LayerContext, decoder_layer
+    from glm5_jax.model.layers import rope_angles
+
+    unstack = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+    layer, indexer = unstack(params[kind]), unstack(params["indexers"])
+    positions = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    x = jax.ShapeDtypeStruct((batch, seq, config.hidden_size), jnp.dtype(config.compute_dtype))
+
+    def layer_fn(layer, indexer, positions, x):
+        cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
+        segment_ids = jnp.ones(positions.shape, jnp.int32)
+        ctx = LayerContext(cos=cos, sin=sin, segment_ids=segment_ids, token_mask=segment_ids > 0)
+        return decoder_layer(layer, indexer, x, ctx, None, config)[0]
+
+    return _residual_bytes(layer_fn, (layer, indexer, positions, x), exclude=3)
+
+
+def _dispatch_residual_bytes(config: ModelConfig, tokens: int, layout, policy: str) -> int:
+    """Saved activations of the expert dispatch of one MoE layer for one device with `layout`."""
+    from glm5_jax.model.transformer import REMAT_POLICIES as POLICY_FUNCTIONS
+
+    d, f, local = config.hidden_size, config.moe_intermediate_size, layout.local_experts
+    dtype = jnp.dtype(config.param_dtype)
+    experts = {"gate_proj": jax.ShapeDtypeStruct((local, d, f), dtype),
+               "up_proj": jax.ShapeDtypeStruct((local, d, f), dtype),
+               "down_proj": jax.ShapeDtypeStruct((local, f, d), dtype)}
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.dtype(config.compute_dtype))
+    ids = jax.ShapeDtypeStruct((tokens, layout.top_k), jnp.int32)
+    weights = jax.ShapeDtypeStruct((tokens, layout.top_k), jnp.float32)
+    fn = lambda e, x, i, w: dispatch_without_exchange(e, x, i, w, layout)[0]
+    if policy != "none":
+        fn = jax.checkpoint(fn, policy=POLICY_FUNCTIONS[policy])
+    return _residual_bytes(fn, (experts, x, ids, weights), exclude=1)
+
+
+def activation_bytes(config: ModelConfig, sizes: dict[str, int], batch: int, seq: int) -> dict[str, int]:
+    """{"saved": ..., "working_set": ...} bytes per device for one microbatch (config is per-device)."""
+    params = abstract_params(config)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    saved = _residual_bytes(lambda p, t: planning_loss(p, t, config), (params, tokens), exclude=1)
+    mtp_steps = config.mtp_num_steps if config.num_nextn_predict_layers else 0
+    layer_none = {kind: _layer_residual_bytes(config, params, kind, batch, seq)
+                  for kind in ("dense_layers", "moe_layers") if kind in params}
+    if config.moe_backend == "ep" and "moe_layers" in params:
+        # The trace ran the single-device dispatch; add what the expert-parallel buffers hold beyond it.
+        factor, _ = capacity_settings(config)
+        tokens_local, top_k, n_experts = batch * seq, config.num_experts_per_tok, config.n_routed_experts
+        sharded = dispatch_layout(tokens_local, top_k, n_experts, sizes[EXPERT_AXIS], factor)
+        single = dispatch_layout(tokens_local, top_k, n_experts, 1, factor)
+        extra = {policy: _dispatch_residual_bytes(config, tokens_local, sharded, policy)
+                 - _dispatch_residual_bytes(config, tokens_local, single, policy)
+                 for policy in {"none", config.remat_policy}}
+        saved += (config.num_moe_layers + mtp_steps) * extra[config.remat_policy]
+        layer_none["moe_layers"] += extra["none"]
+    copies = 2 if config.remat_policy == "none" else 3
+    logits_cotangent = batch * seq * config.vocab_size * 4 * (1 + mtp_steps)
+    return {"saved": saved, "working_set": copies * max(layer_none.values()) + logits_cotangent}
+
+
+def _fsdp_gather_bytes(params, sizes: dict[str, int]) -> int:
+    """One layer's weights gathered over `fsdp` plus their gradients before the reduce-scatter."""
+    if sizes["fsdp"] == 1:
+        return 0
+    specs = param_specs(params, sizes)
+    largest = 0
+    for kind in ("dense_layers", "moe_layers"):
+        if kind not in params:
+            continue
+        leaves = jax.tree.leaves(params[kind])
+        layer_specs = jax.tree.leaves(specs[kind], is_leaf=_is_spec)
+        gathered = sum(_nbytes(leaf) // leaf.shape[0] // _shards(spec, {**sizes, "fsdp": 1})
+                       for leaf, spec in zip(leaves, layer_specs))
+        largest = max(largest, gathered)
+    return 2 * largest
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------
+
+def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, sizes: dict[str, int],
+                        batch: int, seq: int) -> dict[str, int]:
+    """Bytes each device sends per step (one microbatch, forward and backward) by kind of collective."""
+    specs = param_specs(params, sizes)
+    fsdp = sizes["fsdp"]
+    fsdp_gather = grad_reduce_scatter = grad_all_reduce = 0
+    for leaf, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec)):
+        shard = _nbytes(leaf) // _shards(spec, sizes)
+        used = _spec_axes(spec)
+        if "fsdp" in used:
+            fsdp_gather += 2 * (fsdp - 1) * shard  # forward, then again for the backward
+            grad_reduce_scatter += (fsdp - 1) * shard
+        replicas = math.prod(sizes[a] for a in BATCH_AXES if a not in used)
+        grad_all_reduce += 2 * (replicas - 1) * shard // replicas
+    recompute = 0 if config.remat_policy == "none" else 1
+    mtp_steps = config.mtp_num_steps if config.num_nextn_predict_layers else 0
+    layers = config.num_hidden_layers + mtp_steps
+    moe_layers = config.num_moe_layers + mtp_steps
+    passes = 2 + recompute  # forward, backward, remat recompute
+    tokens = batch * seq
+    act = jnp.dtype(config.compute_dtype).itemsize
+
+    expert_all_to_all = 0
+    ep = sizes[EXPERT_AXIS]
+    if ep > 1 and config.num_moe_layers:
+        factor, transport = capacity_settings(config)
+        layout = dispatch_layout(tokens, config.num_experts_per_tok, config.n_routed_experts, ep, factor)
+        rows = tokens * config.num_experts_per_tok if transport != "padded" else ep * layout.pair_capacity
+        expert_all_to_all = moe_layers * passes * 2 * (ep - 1) * rows * config.hidden_size * act // ep
+
+    tp = sizes["tensor"]
+    tensor_all_reduce = 0
+    if tp > 1:
+        per_reduce = lambda n: 2 * (tp - 1) * n // tp
+        hidden = tokens * config.hidden_size * act
+        index_scores = tokens * seq * 4 if local_config.index_n_heads < config.index_n_heads else 0
+        per_layer = 2 * per_reduce(hidden) + per_reduce(index_scores)
+        tensor_all_reduce = layers * passes * per_layer + 2 * per_reduce(hidden)  # + embedding fwd/bwd
+    return {"fsdp_all_gather": fsdp_gather, "fsdp_reduce_scatter": grad_reduce_scatter,
+            "data_all_reduce": grad_all_reduce, "expert_all_to_all": expert_all_to_all,
+            "tensor_all_reduce": tensor_all_reduce}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
+    shards = mesh.data * mesh.fsdp * mesh.expert
+    if batch % shards:
+        raise PlanError(f"batch={batch} is invalid: the microbatch is split over data * fsdp * expert = {shards} "
+                        "devices, so it must be a multiple of that")
+    if mesh.expert > 1:
+        if config.moe_backend != "ep":
+            raise PlanError(f"mesh.expert={mesh.expert} needs model.moe_backend=ep (got "
+                            f"{config.moe_backend!r}): only the ep backend splits the experts")
+        if config.n_routed_experts % mesh.expert:
+            raise PlanError(f"mesh.expert={mesh.expert} is invalid: must divide n_routed_experts "
+                            f"({config.n_routed_experts})")
+
+
+def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[str, Any]:
+    """Per-device memory (bytes), per-step communication (bytes) and the verdict, as plain JSON data."""
+    settings.validate()
+    config.validate()
+    batch = settings.batch or mesh.data * mesh.fsdp * mesh.expert
+    remat = settings.remat or config.remat_policy
+    config = dataclasses.replace(config, remat_policy=remat)
+    _check_layout(config, mesh, batch)
+    sizes = mesh.axis_sizes()
+    params = abstract_params(config)
+    local_batch = batch // (mesh.data * mesh.fsdp * mesh.expert)
+    local_config = per_device_config(config, sizes, remat)
+    param_bytes = sharded_param_bytes(params, sizes)
+    activations = activation_bytes(local_config, sizes, local_batch, settings.seq)
+    activations["working_set"] += _fsdp_gather_bytes(params, sizes)
+    memory = {
+        "params": param_bytes,
+        "grads": param_bytes,
+        "optimizer_state": optimizer_state_bytes(params, settings.optimizer, sizes),
+        "activations_saved": activations["saved"],
+        "activations_working_set": activations["working_set"],
+    }
+    memory["total"] = sum(memory.values())
+    budget = int(settings.device_memory_gib * GIB)
+    return {
+        "mesh": sizes,
+        "devices": mesh.num_devices,
+        "batch": batch,
+        "seq": settings.seq,
+        "sequences_per_device": local_batch,
+        "remat": remat,
+        "optimizer": settings.optimizer,
+        "param_dtype": config.param_dtype,
+        "compute_dtype": config.compute_dtype,
+        "moe_backend": config.moe_backend,
+        "memory_bytes": memory,
+        "communication_bytes": communication_bytes(config, local_config, params, sizes, local_batch, settings.seq),
+        "device_memory_gib": settings.device_memory_gib,
+        "fits": memory["total"] <= budget,
+    }
+
+
+def format_report(report: dict[str, Any], config_path: str) -> str:
+    gib = lambda n: f"{n / GIB:12.2f}"
+    mesh = " ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    mem, comm = report["memory_bytes"], report["communication_bytes"]
+    lines = [
+        f"plan for {config_path} on mesh {mesh} ({report['devices']} devices)",
+        f"microbatch {report['batch']} x {report['seq']} tokens ({report['sequences_per_device']} sequences per "
+        f"device), remat={report['remat']}, optimizer={report['optimizer']}, params {report['param_dtype']}, "
+        f"compute {report['compute_dtype']}, moe_backend={report['moe_backend']}",
+        "",
+        f"{'per-device memory':34s}{'GiB':>12s}",
+        f"  {'parameters':32s}{gib(mem['params'])}",
+        f"  {'gradients':32s}{gib(mem['grads'])}",
+        f"  {'optimizer state':32s}{gib(mem['optimizer_state'])}",
+        f"  {'activations saved for backward':32s}{gib(mem['activations_saved'])}",
+        f"  {'backward working set':32s}{gib(mem['activations_working_set'])}",
+        f"  {'total':32s}{gib(mem['total'])}",
+        "",
+        f"{'per-step communication per device':34s}{'GiB':>12s}",
+        f"  {'FSDP all-gather (weights)':32s}{gib(comm['fsdp_all_gather'])}",
+        f"  {'FSDP reduce-scatter (grads)':32s}{gib(comm['fsdp_reduce_scatter'])}",
+        f"  {'data all-reduce (grads)':32s}{gib(comm['data_all_reduce'])}",
+        f"  {'expert all-to-all':32s}{gib(comm['expert_all_to_all'])}",
+        f"  {'tensor all-reduce':32s}{gib(comm['tensor_all_reduce'])}",
+        "",
+    ]
+    limit = report["device_memory_gib"]
+    if report["fits"]:
+        lines.append(f"verdict: fits in {limit:g} GiB ({mem['total'] / GIB / limit:.0%} used)")
+    else:
+        lines.append(f"verdict: does not fit in {limit:g} GiB (needs {mem['total'] / GIB:.1f} GiB)")
+    return "\n".join(lines)
+
+
+_SETTING_TYPES = {"batch": int, "seq": int, "remat": str, "optimizer": str, "device_memory_gib": float}
+
+
+def parse_args(argv: list[str]) -> tuple[str, MeshConfig, PlanSettings, list[str]]:
+    """CONFIG then key=value items: mesh.<axis>, plan settings, anything else a model override."""
+    if not argv or argv[0] in ("-h", "--help"):
+        raise PlanError("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] "
+                        "[batch=N seq=N remat=none|full|dots|dots_no_batch optimizer=adamw|muon "
+                        "device_memory_gib=X] [model.key=value ...]")
+    config_path, items = argv[0], argv[1:]
+    mesh_values: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    overrides = []
+    for item in items:
+        if "=" not in item:
+            raise PlanError(f"argument {item!r} is invalid: expected key=value, e.g. mesh.fsdp=8 or batch=16")
+        key, value = item.split("=", 1)
+        try:
+            if key.startswith("mesh."):
+                mesh_values[key[len("mesh."):]] = int(value)
+            elif key in _SETTING_TYPES:
+                settings[key] = _SETTING_TYPES[key](value)
+            else:
+                overrides.append(item)
+        except ValueError:
+            raise PlanError(f"{key}={value!r} is invalid: must be a {_SETTING_TYPES.get(key, int).__name__}") from None
+    return config_path, MeshConfig.from_mapping(mesh_values), PlanSettings(**settings).validate(), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config_path, mesh, settings, overrides = parse_args(argv)
+        config = load_model_config(config_path, overrides)
+        report = plan(config, mesh, settings)
+    except (PlanError, ConfigError, ValueError) as err:
+        print(f"glm5 plan: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report, config_path))
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Shardings of parameters and optimizer state, and creating both already sharded (no host ever holds the
+whole model: `init` runs under `jax.jit` with explicit output shardings)."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.parallel.rules import (PARAM_SECTIONS, ShardingRuleError, logical_to_spec, param_logical_axes,
+                                     param_specs, path_names)
+
+# Muon Split keeps kv_b_proj's state as two halves (W_UK, W_UV) sharded like the whole kernel.
+_SPLIT_PART_NAMES = ("uk", "uv")
+
+
+def _check_mesh(mesh) -> None:
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (see glm5_jax.parallel.mesh.make_mesh), "
+                         f"got {type(mesh).__name__}")
+
+
+def param_shardings(params, mesh: Mesh):
+    """NamedSharding of every parameter leaf (params may be arrays or `jax.ShapeDtypeStruct`s)."""
+    _check_mesh(mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_params(params, mesh: Mesh):
+    """Move an existing parameter tree onto `mesh` with the rule-table shardings."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def abstract_params(config: ModelConfig):
+    """Shapes and dtypes of `init(config, rng)` without allocating anything."""
+    from glm5_jax.model.transformer import init
+
+    return jax.eval_shape(lambda key: init(config, key), jax.random.key(0))
+
+
+def init_sharded(config: ModelConfig, rng: jax.Array, mesh: Mesh):
+    """`glm5_jax.model.transformer.init(config, rng)` with every leaf created directly in its shard."""
+    from glm5_jax.model.transformer import init
+
+    _check_mesh(mesh)
+    config.validate()
+    shardings = param_shardings(abstract_params(config), mesh)
+    return jax.jit(lambda key: init(config, key), out_shardings=shardings)(rng)
+
+
+def state_leaf_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh | Mapping[str, int]) -> PartitionSpec:
+    """A state leaf that mirrors a parameter (momenta, second moments) is sharded like that parameter;
+    anything else (step counts, Newton-Schulz coefficients) is replicated."""
+    if names and names[-1] in _SPLIT_PART_NAMES:
+        names = names[:-1]
+    for start, name in enumerate(names):
+        if name not in PARAM_SECTIONS:
+            continue
+        try:
+            axes = param_logical_axes(names[start:], len(shape))
+        except ShardingRuleError:
+            continue
+        return logical_to_spec(axes, shape, mesh)
+    return PartitionSpec()
+
+
+def opt_state_shardings(opt_state, mesh: Mesh):
+    """NamedSharding of every optimizer-state leaf (arrays or `jax.ShapeDtypeStruct`s)."""
+    _check_mesh(mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, state_leaf_spec(path_names(path), tuple(leaf.shape), mesh)),
+        opt_state)
+
+
+def init_opt_state_sharded(tx: optax.GradientTransformation, params, mesh: Mesh):
+    """`tx.init(params)` with every state leaf created directly in its shard."""
+    abstract = jax.eval_shape(tx.init, params)
+    return jax.jit(tx.init, out_shardings=opt_state_shardings(abstract, mesh))(params)
+
+
+def abstract_with_shardings(tree, shardings_fn: Callable, mesh: Mesh):
+    """`jax.ShapeDtypeStruct`s carrying the shardings `shardings_fn(tree, mesh)` (orbax restore targets)."""
+    shardings = shardings_fn(tree, mesh)
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype),
+                                                                    sharding=sharding), tree, shardings)

@@ -1,0 +1,342 @@
+"""Optimizers for GLM-5: AdamW, and Muon (+ Muon Split) for matrices with AdamW for the rest.
+
+Parameter groups come from the leaf paths of the parameter tree (see `param_path_labels`):
+  "muon"            every matrix (leaves named "kernel" and the expert weights), when `name == "muon"`;
+  "adamw"           embedding, lm_head and the MoE router kernel (and every matrix when `name == "adamw"`);
+  "adamw_no_decay"  norm scales/biases and any other leaf with fewer than two matrix axes;
+  "frozen"          `e_score_correction_bias` (updated by the train step, never by the optimizer) and every
+                    leaf outside `trainable`: zero update, no optimizer state, excluded from clipping.
+The router kernel [D, E] stays in AdamW as the parameter tree fixes: its columns are the expert centroids
+whose scale sets the sigmoid scores the correction bias balances, and orthogonalising them would equalise
+every expert's update regardless of its load.
+
+Muon follows Moonlight / GLM-5: Nesterov momentum 0.95, 5 Newton-Schulz steps, the orthogonalised update
+scaled by `muon_rms * sqrt(max(fan_in, fan_out))` so its RMS matches AdamW's, decoupled weight decay, one
+learning rate for both groups. Leading stacked axes (layers L / Lf, experts E) are batch axes: one matrix
+per slice. Matrix layouts per leaf:
+  q_b_proj  [L, Q, H, K]       split: one [Q, K] per (layer, head);   else one [Q, (H K)] per layer
+  kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head); else [C, (H (nope+P))]
+  o_proj    [L, H, P, D]       one [(H P), D] per layer
+  other     [.., in, out...]   the first non-batch axis is the input, the rest the output
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from glm5_jax.config import ConfigError
+from glm5_jax.train.schedules import SCHEDULES, warmup_then_decay
+
+OPTIMIZERS = ("adamw", "muon")
+TRAINABLE_PRESETS = ("all", "indexer", "non_indexer")
+GROUPS = ("muon", "adamw", "adamw_no_decay", "frozen")
+
+_STACKED_SECTIONS = ("dense_layers", "moe_layers", "indexers")  # one leading layer axis
+_INDEXER_KEYS = ("indexers", "indexer")  # the stacked indexers and the MTP layer's own indexer
+_NORM_LEAVES = ("scale", "bias")
+_ADAMW_MATRICES = ("embedding", "lm_head", "router")
+_FROZEN_LEAVES = ("e_score_correction_bias",)
+_KV_PARTS = ("uk", "uv")
+
+
+def _fail(field: str, value: Any, valid: str) -> None:
+    raise ConfigError(f"{field}={value!r} is invalid: {valid}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer, schedule and trainable-parameter settings. Defaults follow GLM-5 pre-training."""
+
+    name: str = "muon"
+    lr: float = 2e-4
+    min_lr: float = 4e-5  # the schedule's end value (ignored by "constant")
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    schedule: str = "cosine"
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 1.0  # 0 disables clipping
+    muon_momentum: float = 0.95
+    ns_steps: int = 5
+    muon_rms: float = 0.2
+    muon_split: bool = True
+    # "all" | "indexer" | "non_indexer" | path regexes (re.search on "a/b/c" leaf paths).
+    # Annotated tuple-first so YAML lists and single strings both load through glm5_jax.config.
+    trainable: tuple[str, ...] | str = "all"
+
+    def __post_init__(self):
+        trainable = self.trainable
+        if isinstance(trainable, list):
+            trainable = tuple(trainable)
+        if isinstance(trainable, tuple) and len(trainable) == 1 and trainable[0] in TRAINABLE_PRESETS:
+            trainable = trainable[0]
+        object.__setattr__(self, "trainable", trainable)
+        self.validate()
+
+    def validate(self) -> "OptimConfig":
+        if self.name not in OPTIMIZERS:
+            _fail("optim.name", self.name, f"must be one of {OPTIMIZERS}")
+        if self.schedule not in SCHEDULES:
+            _fail("optim.schedule", self.schedule, f"must be one of {SCHEDULES}")
+        if not self.lr > 0:
+            _fail("optim.lr", self.lr, "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            _fail("optim.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        for field in ("warmup_steps", "total_steps", "ns_steps"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(f"optim.{field}", value, "must be a non-negative integer")
+        if self.total_steps < 1:
+            _fail("optim.total_steps", self.total_steps, "must be >= 1")
+        if self.ns_steps < 1:
+            _fail("optim.ns_steps", self.ns_steps, "must be >= 1")
+        if self.warmup_steps > self.total_steps:
+            _fail("optim.warmup_steps", self.warmup_steps, f"must be <= total_steps ({self.total_steps})")
+        for field in ("b1", "b2", "muon_momentum"):
+            value = getattr(self, field)
+            if not 0 <= value < 1:
+                _fail(f"optim.{field}", value, "must be in [0, 1)")
+        if not self.eps > 0:
+            _fail("optim.eps", self.eps, "must be > 0")
+        if not self.muon_rms > 0:
+            _fail("optim.muon_rms", self.muon_rms, "must be > 0 (Moonlight / GLM use 0.2)")
+        for field in ("weight_decay", "grad_clip_norm"):
+            if not getattr(self, field) >= 0:
+                _fail(f"optim.{field}", getattr(self, field), "must be >= 0")
+        if not isinstance(self.muon_split, bool):
+            _fail("optim.muon_split", self.muon_split, "must be true or false")
+        if isinstance(self.trainable, str):
+            if self.trainable not in TRAINABLE_PRESETS:
+                _fail("optim.trainable", self.trainable,
+                      f"must be one of {TRAINABLE_PRESETS} or a list of path regexes")
+        elif isinstance(self.trainable, tuple) and self.trainable:
+            for pattern in self.trainable:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as err:
+                    _fail("optim.trainable", pattern, f"is not a valid regular expression ({err})")
+        else:
+            _fail("optim.trainable", self.trainable,
+                  f"must be one of {TRAINABLE_PRESETS} or a non-empty list of path regexes")
+        return self
+
+
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Warm-up to `cfg.lr` over `warmup_steps`, then `cfg.schedule` decay to `cfg.min_lr` at `total_steps`."""
+    return warmup_then_decay(cfg.schedule, peak=cfg.lr, end=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                             total_steps=cfg.total_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter paths and groups
+# ---------------------------------------------------------------------------------------------
+
+def _key_name(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def path_names(key_path) -> tuple[str, ...]:
+    """A jax key path as a tuple of plain names, e.g. ("moe_layers", "attn", "q_b_proj", "kernel")."""
+    return tuple(_key_name(entry) for entry in key_path)
+
+
+def _num_batch_axes(names: tuple[str, ...]) -> int:
+    return int(names[0] in _STACKED_SECTIONS) + int("experts" in names)
+
+
+def _is_trainable(path: str, names: tuple[str, ...], trainable) -> bool:
+    in_indexer = any(key in names for key in _INDEXER_KEYS)
+    if trainable == "all":
+        return True
+    if trainable == "indexer":
+        return in_indexer
+    if trainable == "non_indexer":
+        return not in_indexer
+    return any(re.search(pattern, path) for pattern in trainable)
+
+
+def _leaf_label(names: tuple[str, ...], ndim: int, cfg: OptimConfig) -> str:
+    if names[-1] in _FROZEN_LEAVES or not _is_trainable("/".join(names), names, cfg.trainable):
+        return "frozen"
+    if names[-1] in _NORM_LEAVES or ndim - _num_batch_axes(names) < 2:
+        return "adamw_no_decay"
+    if cfg.name == "adamw" or any(name in _ADAMW_MATRICES for name in names):
+        return "adamw"
+    return "muon"
+
+
+def param_path_labels(params, cfg: OptimConfig | None = None):
+    """The optimizer group ("muon" | "adamw" | "adamw_no_decay" | "frozen") of every leaf, as a pytree.
+
+    Only shapes are read, so `params` may be abstract (`jax.eval_shape` output).
+    """
+    cfg = cfg or OptimConfig()
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _leaf_label(path_names(path), len(leaf.shape), cfg), params)
+
+
+def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool) -> MuonDimensionNumbers:
+    """Which axes of a Muon leaf form each matrix's input and output; all other axes are batch axes."""
+    if names[-1] in _KV_PARTS:  # one half of a split kv_b_proj: [.., C, H, nope or P] per head
+        return MuonDimensionNumbers(reduction_axis=ndim - 3, output_axis=ndim - 1)
+    module = names[-2] if names[-1] == "kernel" else names[-1]
+    core = tuple(range(_num_batch_axes(names), ndim))
+    if module == "o_proj":
+        return MuonDimensionNumbers(reduction_axis=core[:-1], output_axis=core[-1:])
+    if split and module in ("q_b_proj", "kv_b_proj"):
+        return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
+    return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])
+
+
+def _leaf_by_path(tree, names):
+    for name in names:
+        tree = tree[name]
+    return tree
+
+
+def _fans(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
+    as_tuple = lambda axes: (axes,) if isinstance(axes, int) else tuple(axes)
+    fan_in = math.prod(shape[a] for a in as_tuple(dims.reduction_axis))
+    fan_out = math.prod(shape[a] for a in as_tuple(dims.output_axis))
+    return fan_in, fan_out
+
+
+def _kv_nope_sizes(params, labels) -> dict[str, int]:
+    """Width of W_UK (qk_nope_head_dim) for every Muon kv_b_proj leaf, read off its sibling o_proj [.., P, D]."""
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = path_names(path)
+        if names[-2:] != ("kv_b_proj", "kernel") or _leaf_by_path(labels, names) != "muon":
+            continue
+        attn = _leaf_by_path(params, names[:-2])
+        if "o_proj" not in attn:
+            raise ValueError(f"params['{'/'.join(names[:-2])}'] has kv_b_proj but no o_proj: Muon Split reads "
+                             "v_head_dim from o_proj [.., H, P, D] to split kv_b_proj into W_UK and W_UV")
+        v_head_dim = attn["o_proj"]["kernel"].shape[-2]
+        nope = leaf.shape[-1] - v_head_dim
+        if nope <= 0:
+            raise ValueError(f"params['{'/'.join(names)}'] has last axis {leaf.shape[-1]}, which must exceed "
+                             f"v_head_dim={v_head_dim} (from o_proj) to hold qk_nope_head_dim + v_head_dim")
+        sizes["/".join(names)] = nope
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations
+# ---------------------------------------------------------------------------------------------
+
+class _KVParts(NamedTuple):
+    """kv_b_proj split along its last axis into W_UK (keys, nope dims) and W_UV (values)."""
+
+    uk: jax.Array
+    uv: jax.Array
+
+
+def _split_kv_heads(inner: optax.GradientTransformation, nope_sizes: dict[str, int]):
+    """Run `inner` on trees whose kv_b_proj leaves are split into W_UK / W_UV, then rejoin the updates."""
+    is_parts = lambda x: isinstance(x, _KVParts)
+
+    def split(tree):
+        def split_leaf(path, x):
+            nope = nope_sizes.get("/".join(path_names(path)))
+            return x if nope is None else _KVParts(x[..., :nope], x[..., nope:])
+        return jax.tree_util.tree_map_with_path(split_leaf, tree)
+
+    def join(tree):
+        return jax.tree.map(lambda x: jnp.concatenate(x, axis=-1) if is_parts(x) else x, tree, is_leaf=is_parts)
+
+    def init_fn(params):
+        return inner.init(split(params))
+
+    def update_fn(updates, state, params=None):
+        updates, state = inner.update(split(updates), state, None if params is None else split(params))
+        return join(updates), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _dimension_numbers_fn(split: bool) -> Callable:
+    def dims(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: _muon_dimension_numbers(path_names(path), x.ndim, split), tree)
+    return dims
+
+
+def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation:
+    """Scale each orthogonalised matrix by rms * sqrt(max(fan_in, fan_out)) so its update RMS is ~`rms`."""
+    def update_fn(updates, state, params=None):
+        del params
+        scaled = jax.tree.map(
+            lambda u, dims: u * (rms * math.sqrt(max(_fans(u.shape, dims)))),
+            updates, dims_fn(updates), is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        return scaled, state
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _zero_where_frozen(labels) -> optax.GradientTransformation:
+    """Zero the gradients of frozen leaves before clipping, so they do not count in the global norm."""
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, label: jnp.zeros_like(u) if label == "frozen" else u, updates, labels), state
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _muon(cfg: OptimConfig, schedule, nope_sizes: dict[str, int]) -> optax.GradientTransformation:
+    dims_fn = _dimension_numbers_fn(cfg.muon_split)
+    orthogonalise = optax.chain(
+        scale_by_muon(ns_steps=cfg.ns_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
+                      weight_dimension_numbers=dims_fn),
+        _scale_to_rms(dims_fn, cfg.muon_rms),
+    )
+    return optax.chain(
+        _split_kv_heads(orthogonalise, nope_sizes),
+        optax.add_decayed_weights(cfg.weight_decay),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
+def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
+    """The optax transformation for `cfg` over a parameter tree shaped like `params` (arrays or abstract)."""
+    if not isinstance(cfg, OptimConfig):
+        raise TypeError(f"cfg must be an OptimConfig, got {type(cfg).__name__}")
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise ValueError("params is empty: make_optimizer needs the parameter tree it will update")
+    if isinstance(cfg.trainable, tuple):
+        paths = ["/".join(path_names(path)) for path, _ in leaves]
+        for pattern in cfg.trainable:
+            if not any(re.search(pattern, path) for path in paths):
+                _fail("optim.trainable", pattern, f"matches no parameter path; paths look like {paths[:4]}")
+    labels = param_path_labels(params, cfg)
+    present = set(jax.tree.leaves(labels))
+    if present == {"frozen"}:
+        _fail("optim.trainable", cfg.trainable, "leaves no trainable parameter")
+    schedule = learning_rate_schedule(cfg)
+    adamw = lambda decay: optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay)
+    groups = {
+        "adamw": adamw(cfg.weight_decay),
+        "adamw_no_decay": adamw(0.0),
+        "frozen": optax.set_to_zero(),
+    }
+    if "muon" in present:
+        nope_sizes = _kv_nope_sizes(params, labels) if cfg.muon_split else {}
+        groups["muon"] = _muon(cfg, schedule, nope_sizes)
+    clip = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm > 0 else []
+    return optax.chain(
+        _zero_where_frozen(labels),
+        *clip,
+        optax.multi_transform({name: tx for name, tx in groups.items() if name in present}, labels),
+    )

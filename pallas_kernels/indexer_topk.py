@@ -1,0 +1,249 @@
+"""Lightning-indexer scores and top-k selection for DSA.
+
+I[s, t] = sum_i w[s, i] * relu(q[s, i] . k[t] * J^-0.5) in fp32; a key is visible to query s iff
+t <= q_offset + s and (with segment ids) both carry the same segment id; invisible keys score NEG_INF.
+
+The score kernel gives each program block_s queries, whose [block_s * I, J] indexer queries stay on chip
+while key blocks stream past: a [block_s * I, J] x [J, block_t] product per block, ReLU, weighted sum over
+the I heads, so no [S, I, T] tensor exists; blocks past the causal horizon are filled without a matmul.
+`indexer_topk` runs over query chunks under `lax.map`: only a [B, query_chunk, T] score block exists at a
+time, and `jax.lax.top_k` takes the top N = min(topk, T) of it.
+
+Tie-break rule: exactly that of `jax.lax.top_k` on the same scores, i.e. among equal scores the lowest
+key index comes first (ReLU makes many scores exactly 0, so this decides which tied keys fill the last
+slots). Selected slots on invisible keys (a query with fewer than N visible keys) come back as -1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (
+    MIN_BLOCK,
+    NEG_INF,
+    check_block,
+    check_equal,
+    check_float_dtype,
+    check_positive_int,
+    check_q_offset,
+    check_rank,
+    check_segments,
+    dot_nt,
+    key_valid,
+    next_power_of_two,
+    pad_axis,
+    positions_and_segments,
+    resolve_interpret,
+    round_up,
+    triton_params,
+)
+
+# Rows (query x indexer head) of one score tile: big enough for the tensor cores, small enough for registers.
+_TILE_ROWS = 128
+
+
+def _block_s(heads_padded: int) -> int:
+    return max(1, _TILE_ROWS // heads_padded)
+
+
+def _scores_kernel(q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, k_seg_ref, out_ref, *, scale, num_keys, block_t):
+    block_s, keys_padded = out_ref.shape
+    heads = w_ref.shape[-1]
+    q = q_ref[...]  # [block_s * I, J]: stays on chip while the key blocks stream past
+    w = w_ref[...][:, :, None]
+    q_pos = q_pos_ref[...]
+    q_seg = q_seg_ref[...][:, None]
+    num_blocks = keys_padded // block_t
+    # Causality: blocks past the last query's position hold only masked scores and need no matmul.
+    visible_blocks = jnp.clip(jnp.max(q_pos) // block_t + 1, 0, num_blocks)
+
+    def score_block(j, carry):
+        keys = pl.ds(j * block_t, block_t)
+        logits = dot_nt(q, k_ref[keys, :], precision=lax.Precision.HIGHEST) * scale  # [block_s * I, block_t]
+        scores = jnp.sum(jnp.maximum(logits, 0.0).reshape(block_s, heads, block_t) * w, axis=1)
+        k_pos = j * block_t + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
+        visible = key_valid(q_pos[:, None], q_seg, k_pos, k_seg_ref[keys][None, :], num_keys)
+        out_ref[:, keys] = jnp.where(visible, scores, NEG_INF)
+        return carry
+
+    def masked_block(j, carry):
+        out_ref[:, pl.ds(j * block_t, block_t)] = jnp.full((block_s, block_t), NEG_INF, jnp.float32)
+        return carry
+
+    lax.fori_loop(0, visible_blocks, score_block, 0)
+    lax.fori_loop(visible_blocks, num_blocks, masked_block, 0)
+
+
+def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool):
+    """Padded-operand kernel call: q [B, S, I, J], k [B, T, J], w [B, S, I] -> [B, S, T] (S, T unpadded)."""
+    batch, q_len, heads, head_dim = q.shape
+    k_len = k.shape[1]
+    heads_p = next_power_of_two(heads)
+    dim_p = next_power_of_two(head_dim, MIN_BLOCK)
+    block_s = _block_s(heads_p)
+    len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
+    q_rows = pad_axis(pad_axis(pad_axis(q, 3, dim_p), 2, heads_p), 1, len_p).reshape(batch, len_p * heads_p, dim_p)
+    k_p = pad_axis(pad_axis(k, 2, dim_p), 1, keys_p)
+    w_p = pad_axis(pad_axis(w, 2, heads_p), 1, len_p)
+    q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
+    q_seg_p = pad_axis(q_seg, 1, len_p)
+    k_seg_p = pad_axis(k_seg, 1, keys_p)
+    scores = pl.pallas_call(
+        functools.partial(_scores_kernel, scale=head_dim**-0.5, num_keys=k_len, block_t=block_t),
+        grid=(batch, len_p // block_s),
+        in_specs=[
+            pl.BlockSpec((None, block_s * heads_p, dim_p), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((None, keys_p, dim_p), lambda b, i: (b, 0, 0)),
+            pl.BlockSpec((None, block_s, heads_p), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((block_s,), lambda b, i: (i,)),
+            pl.BlockSpec((None, block_s), lambda b, i: (b, i)),
+            pl.BlockSpec((None, keys_p), lambda b, i: (b, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, block_s, keys_p), lambda b, i: (b, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
+        interpret=interpret,
+        compiler_params=triton_params(num_warps=4, num_stages=2),
+    )(q_rows, k_p, w_p, q_pos_p, q_seg_p, k_seg_p)
+    return scores[:, :q_len, :k_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret):
+    return _scores_call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
+
+
+def _scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret):
+    out = _scores_call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
+    return out, (q, k, w, q_pos, q_seg, k_seg)
+
+
+def _scores_bwd(block_t, bwd_query_chunk, interpret, residuals, d_scores):
+    """jnp backward over query chunks: a [B, chunk, I, T] fp32 block at a time, never [B, S, I, T]."""
+    q, k, w, q_pos, q_seg, k_seg = residuals
+    batch, q_len, heads, head_dim = q.shape
+    k_len = k.shape[1]
+    scale = head_dim**-0.5
+    chunk = min(bwd_query_chunk, q_len)
+    len_p = round_up(q_len, chunk)
+    q32 = pad_axis(q.astype(jnp.float32), 1, len_p)
+    k32 = k.astype(jnp.float32)
+    w_p = pad_axis(w, 1, len_p)
+    q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)
+    q_seg_p = pad_axis(q_seg, 1, len_p)
+    d_p = pad_axis(d_scores, 1, len_p)
+    k_pos = jnp.arange(k_len, dtype=jnp.int32)
+
+    def chunk_step(c, carry):
+        dq, dw, dk = carry
+        start = c * chunk
+
+        def take(x, axis=1):
+            return lax.dynamic_slice_in_dim(x, start, chunk, axis=axis)
+
+        q_c, w_c = take(q32), take(w_p)
+        visible = key_valid(take(q_pos_p, 0)[None, :, None], take(q_seg_p)[:, :, None], k_pos[None, None, :],
+                            k_seg[:, None, :], k_len)
+        g = jnp.where(visible, take(d_p), 0.0)  # masked scores are constants
+        logits = jnp.einsum("BSIJ,BTJ->BSIT", q_c, k32, precision=lax.Precision.HIGHEST) * scale
+        active = logits > 0
+        dw_c = jnp.einsum("BST,BSIT->BSI", g, jnp.where(active, logits, 0.0), precision=lax.Precision.HIGHEST)
+        d_logits = jnp.where(active, g[:, :, None, :] * w_c[..., None], 0.0) * scale
+        dq_c = jnp.einsum("BSIT,BTJ->BSIJ", d_logits, k32, precision=lax.Precision.HIGHEST)
+        dk = dk + jnp.einsum("BSIT,BSIJ->BTJ", d_logits, q_c, precision=lax.Precision.HIGHEST)
+        dq = lax.dynamic_update_slice_in_dim(dq, dq_c, start, axis=1)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)
+        return dq, dw, dk
+
+    init = (jnp.zeros(q32.shape, jnp.float32), jnp.zeros(w_p.shape, jnp.float32), jnp.zeros(k32.shape, jnp.float32))
+    dq, dw, dk = lax.fori_loop(0, len_p // chunk, chunk_step, init)
+    return (dq[:, :q_len].astype(q.dtype), dk.astype(k.dtype), dw[:, :q_len].astype(w.dtype), None, None, None)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t):
+    check_rank("q_index", q_index, 4, "[B, S, I, J]")
+    check_rank("k_index", k_index, 3, "[B, T, J]")
+    check_rank("weights", weights, 3, "[B, S, I]")
+    for name, x in (("q_index", q_index), ("k_index", k_index), ("weights", weights)):
+        check_float_dtype(name, x)
+    batch, q_len, heads, head_dim = q_index.shape
+    check_equal("k_index.shape[0]", k_index.shape[0], batch, "batch of q_index")
+    check_equal("k_index.shape[-1]", k_index.shape[-1], head_dim, "J of q_index")
+    check_equal("weights.shape", tuple(weights.shape), (batch, q_len, heads), "[B, S, I] of q_index")
+    if k_index.shape[1] < 1:
+        raise ValueError(f"k_index needs at least one key; got shape {k_index.shape}")
+    check_segments(q_segment_ids, k_segment_ids, batch, q_len, k_index.shape[1])
+    check_q_offset(q_offset)
+    check_block("block_t", block_t)
+
+
+def _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset):
+    dtype = jnp.promote_types(q_index.dtype, k_index.dtype)
+    batch, q_len = q_index.shape[:2]
+    q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len,
+                                                 k_index.shape[1])
+    return q_index.astype(dtype), k_index.astype(dtype), weights.astype(jnp.float32), q_pos, q_seg, k_seg
+
+
+def indexer_scores(q_index, k_index, weights, *, q_segment_ids=None, k_segment_ids=None, q_offset=0,
+                   block_t=64, bwd_query_chunk=64, interpret=None):
+    """Masked fp32 index scores [B, S, T] (the dense warm-up's logits); invisible keys get NEG_INF.
+
+    q_index [B, S, I, J] (roped), k_index [B, T, J], weights [B, S, I] (already scaled); segment ids
+    [B, S] / [B, T] or both None; q_offset: position of query 0 (int or integer scalar array).
+    Differentiable in q_index, k_index and weights; the backward holds a [B, bwd_query_chunk, I, T]
+    fp32 block at a time.
+    """
+    _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
+    check_positive_int("bwd_query_chunk", bwd_query_chunk)
+    operands = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
+    return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret))
+
+
+def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segment_ids=None, q_offset=0,
+                 query_chunk=256, block_t=64, interpret=None):
+    """Top-k keys per query: (indices int32 [B, S, N], scores fp32 [B, S, N]) with N = min(topk, T).
+
+    Indices are ordered by descending score, ties broken like jax.lax.top_k (lowest index first); slots
+    on invisible keys hold -1 and score NEG_INF. Scores are differentiable like `indexer_scores`'.
+    Memory: one [B, query_chunk, T] fp32 score block at a time.
+    """
+    _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
+    check_positive_int("topk", topk)
+    check_positive_int("query_chunk", query_chunk)
+    interpret = resolve_interpret(interpret)
+    q, k, w, q_pos, q_seg, k_seg = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
+    batch, q_len, heads, _ = q.shape
+    k_len = k.shape[1]
+    num_selected = min(topk, k_len)
+    chunk = round_up(min(query_chunk, q_len), _block_s(next_power_of_two(heads)))
+    n_chunks = -(-q_len // chunk)
+    len_p = n_chunks * chunk
+    q_p, w_p = pad_axis(q, 1, len_p), pad_axis(w, 1, len_p)
+    q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)
+    q_seg_p = pad_axis(q_seg, 1, len_p)
+
+    def select(c):
+        def take(x, axis=1):
+            return lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
+
+        pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
+        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret)
+        values, indices = lax.top_k(scores, num_selected)
+        picked_seg = jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
+        visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)
+        return jnp.where(visible, indices, -1).astype(jnp.int32), values
+
+    indices, values = lax.map(select, jnp.arange(n_chunks))
+
+    def unchunk(x):  # [n_chunks, B, chunk, N] -> [B, S, N]
+        return jnp.moveaxis(x, 0, 1).reshape(batch, len_p, num_selected)[:, :q_len]
+
+    return unchunk(indices), unchunk(values)

@@ -1,0 +1,336 @@
+"""Sparse MLA attention for DSA: each query attends, with all its heads, to its own N selected latent rows.
+
+Absorbed (MQA) form: q [B, S, H, C+R] against latent rows [C+R] shared by every head; values are the first
+C columns of the same rows. All heads of one query share its N rows, so one kernel program handles one
+query and its heads form the matmul rows: [H, C+R] x [C+R, block_n] per block of selected rows, with an
+online softmax over the blocks (fp32 statistics and accumulators).
+
+Backward (custom_vjp) runs over bounded query chunks: the kernel recomputes the probabilities from the
+saved lse, accumulates dq per query, and writes each (query, slot) key/value gradient row [C+R] reduced
+over heads; those rows are scatter-added into d(latent) with `.at[].add` outside the kernel, chunk by
+chunk, so a row selected by many queries sums all its contributions and nothing of size S x T or
+S x N x (C+R) exists for the whole sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (
+    MIN_BLOCK,
+    NEG_INF,
+    check_block,
+    check_equal,
+    check_float_dtype,
+    check_int_dtype,
+    check_positive_int,
+    check_rank,
+    check_scale,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    gather_rows,
+    next_power_of_two,
+    pad_axis,
+    resolve_interpret,
+    round_up,
+    triton_params,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaLayout:
+    """Real and kernel (power-of-two padded) sizes of one sparse MLA call."""
+
+    heads: int
+    latent_dim: int
+    rope_dim: int
+    num_slots: int
+    block_n: int
+
+    @property
+    def heads_padded(self) -> int:
+        return next_power_of_two(self.heads, MIN_BLOCK)
+
+    @property
+    def latent_padded(self) -> int:
+        return next_power_of_two(self.latent_dim, MIN_BLOCK)
+
+    @property
+    def rope_padded(self) -> int:
+        return next_power_of_two(self.rope_dim, MIN_BLOCK)
+
+    @property
+    def slots_padded(self) -> int:
+        return round_up(self.num_slots, self.block_n)
+
+
+def validate_sparse_inputs(q, latent, indices, kv_lora_rank: int, block_n: int) -> MlaLayout:
+    """Checks shapes/dtypes of a sparse MLA call and returns its layout (raises ValueError)."""
+    check_rank("q", q, 4, "[B, S, H, C+R]")
+    check_rank("latent", latent, 3, "[B, T, C+R]")
+    check_rank("indices", indices, 3, "[B, S, N]")
+    check_float_dtype("q", q)
+    check_float_dtype("latent", latent)
+    check_int_dtype("indices", indices)
+    check_equal("latent.dtype", latent.dtype, q.dtype, "q and latent feed the same matmuls")
+    batch, q_len, heads, width = q.shape
+    check_equal("latent.shape[-1]", latent.shape[-1], width, "q and latent rows are both C+R wide")
+    check_equal("latent.shape[0]", latent.shape[0], batch, "batch of q")
+    check_equal("indices.shape[:2]", tuple(indices.shape[:2]), (batch, q_len), "[B, S] of q")
+    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank < width:
+        raise ValueError(f"kv_lora_rank must be an int in (0, {width}) (the C of C+R={width}); "
+                         f"got {kv_lora_rank!r}")
+    check_block("block_n", block_n)
+    if indices.shape[2] < 1 or latent.shape[1] < 1:
+        raise ValueError(f"need at least one selected slot and one key; got indices.shape={indices.shape}, "
+                         f"latent.shape={latent.shape}")
+    return MlaLayout(heads=heads, latent_dim=kv_lora_rank, rope_dim=width - kv_lora_rank,
+                     num_slots=indices.shape[2], block_n=block_n)
+
+
+def split_queries(q: jax.Array, layout: MlaLayout) -> tuple[jax.Array, jax.Array]:
+    """[B, S, H, C+R] -> latent part [B, S, Hp, Cp] and rope part [B, S, Hp, Rp], zero padded."""
+    q_c = pad_axis(pad_axis(q[..., : layout.latent_dim], 3, layout.latent_padded), 2, layout.heads_padded)
+    q_r = pad_axis(pad_axis(q[..., layout.latent_dim:], 3, layout.rope_padded), 2, layout.heads_padded)
+    return q_c, q_r
+
+
+def split_latent(latent: jax.Array, layout: MlaLayout) -> tuple[jax.Array, jax.Array]:
+    """[B, T, C+R] -> keys/values [B, T, Cp] and rope keys [B, T, Rp], zero padded."""
+    return (pad_axis(latent[..., : layout.latent_dim], 2, layout.latent_padded),
+            pad_axis(latent[..., layout.latent_dim:], 2, layout.rope_padded))
+
+
+def pad_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
+    return pad_axis(indices.astype(jnp.int32), 2, layout.slots_padded, value=-1)
+
+
+def kernel_warps(layout: MlaLayout) -> int:
+    return 8 if layout.heads_padded * layout.latent_padded >= 64 * 512 else 4
+
+
+def kernel_stages(layout: MlaLayout) -> int:
+    """Software pipelining doubles the gathered row tile in shared memory; with GLM-5's 576-wide rows
+    (a 64 x 576 bf16 tile is 72 KiB, plus the queries) two stages would not fit Hopper's 227 KiB."""
+    return 1 if layout.latent_padded >= 256 else 2
+
+
+def _forward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, out_ref, lse_ref, *, scale, block_n):
+    num_keys = k_c_ref.shape[0]
+    q_c = q_c_ref[...]
+    q_r = q_r_ref[...]
+    heads, width = q_c.shape
+
+    def step(j, carry):
+        row_max, row_sum, acc = carry
+        idx = idx_ref[pl.ds(j * block_n, block_n)]
+        valid = (idx >= 0) & (idx < num_keys)
+        k_c = gather_rows(k_c_ref, idx, valid)
+        k_r = gather_rows(k_r_ref, idx, valid)
+        logits = (dot_nt(q_c, k_c) + dot_nt(q_r, k_r)) * scale
+        logits = jnp.where(valid[None, :], logits, NEG_INF)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        # where(), not exp alone: while a row has seen no valid slot, logits - new_max is 0 there.
+        p = jnp.where(valid[None, :], jnp.exp(logits - new_max[:, None]), 0.0)
+        rescale = jnp.exp(row_max - new_max)
+        row_sum = row_sum * rescale + jnp.sum(p, axis=1)
+        acc = acc * rescale[:, None] + dot_nn(p.astype(k_c.dtype), k_c)
+        return new_max, row_sum, acc
+
+    init = (jnp.full((heads,), NEG_INF, jnp.float32), jnp.zeros((heads,), jnp.float32),
+            jnp.zeros((heads, width), jnp.float32))
+    row_max, row_sum, acc = lax.fori_loop(0, idx_ref.shape[0] // block_n, step, init)
+    has_valid = row_sum > 0
+    safe_sum = jnp.where(has_valid, row_sum, 1.0)
+    out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(has_valid, row_max + jnp.log(safe_sum), NEG_INF)
+
+
+def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool):
+    batch, q_len, heads, width = q_c.shape
+    rope, num_keys = q_r.shape[-1], k_c.shape[1]
+    per_query = lambda b, s: (b, s, 0, 0)
+    per_batch = lambda b, s: (b, 0, 0)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, scale=scale, block_n=layout.block_n),
+        grid=(batch, q_len),
+        in_specs=[
+            pl.BlockSpec((None, None, heads, width), per_query),
+            pl.BlockSpec((None, None, heads, rope), per_query),
+            pl.BlockSpec((None, None, idx.shape[-1]), lambda b, s: (b, s, 0)),
+            pl.BlockSpec((None, num_keys, width), per_batch),
+            pl.BlockSpec((None, num_keys, rope), per_batch),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, heads, width), per_query),
+            pl.BlockSpec((None, None, heads), lambda b, s: (b, s, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
+                   jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)],
+        interpret=interpret,
+        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),
+    )(q_c, q_r, idx, k_c, k_r)
+
+
+def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref,
+                     dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref, *, scale, block_n):
+    num_keys = k_c_ref.shape[0]
+    q_c = q_c_ref[...]
+    q_r = q_r_ref[...]
+    d_out = do_ref[...]
+    lse = lse_ref[...]
+    shift = shift_ref[...]
+
+    def step(j, carry):
+        dq_c, dq_r = carry
+        slots = pl.ds(j * block_n, block_n)
+        idx = idx_ref[slots]
+        valid = (idx >= 0) & (idx < num_keys)
+        k_c = gather_rows(k_c_ref, idx, valid)
+        k_r = gather_rows(k_r_ref, idx, valid)
+        logits = (dot_nt(q_c, k_c) + dot_nt(q_r, k_r)) * scale
+        p = jnp.where(valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+        # d loss / d logit = p * (do.v - (do.out - d lse)); `shift` holds do.out - d lse per head.
+        d_logits = p * (dot_nt(d_out, k_c) - shift[:, None])
+        d_logits_lo = d_logits.astype(k_c.dtype)
+        dq_c = dq_c + dot_nn(d_logits_lo, k_c)
+        dq_r = dq_r + dot_nn(d_logits_lo, k_r)
+        # Per-slot row gradients, already summed over heads: key part of all C+R columns plus value part.
+        dk_c_ref[slots, :] = scale * dot_tn(d_logits_lo, q_c) + dot_tn(p.astype(d_out.dtype), d_out)
+        dk_r_ref[slots, :] = scale * dot_tn(d_logits_lo, q_r)
+        return dq_c, dq_r
+
+    init = (jnp.zeros(q_c.shape, jnp.float32), jnp.zeros(q_r.shape, jnp.float32))
+    dq_c, dq_r = lax.fori_loop(0, idx_ref.shape[0] // block_n, step, init)
+    dq_c_ref[...] = (scale * dq_c).astype(dq_c_ref.dtype)
+    dq_r_ref[...] = (scale * dq_r).astype(dq_r_ref.dtype)
+
+
+def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool):
+    batch, q_len, heads, width = q_c.shape
+    rope, num_keys, slots = q_r.shape[-1], k_c.shape[1], idx.shape[-1]
+    per_query = lambda b, s: (b, s, 0, 0)
+    per_query_vec = lambda b, s: (b, s, 0)
+    per_batch = lambda b, s: (b, 0, 0)
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, scale=scale, block_n=layout.block_n),
+        grid=(batch, q_len),
+        in_specs=[
+            pl.BlockSpec((None, None, heads, width), per_query),
+            pl.BlockSpec((None, None, heads, rope), per_query),
+            pl.BlockSpec((None, None, slots), per_query_vec),
+            pl.BlockSpec((None, num_keys, width), per_batch),
+            pl.BlockSpec((None, num_keys, rope), per_batch),
+            pl.BlockSpec((None, None, heads, width), per_query),
+            pl.BlockSpec((None, None, heads), per_query_vec),
+            pl.BlockSpec((None, None, heads), per_query_vec),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, heads, width), per_query),
+            pl.BlockSpec((None, None, heads, rope), per_query),
+            pl.BlockSpec((None, None, slots, width), per_query),
+            pl.BlockSpec((None, None, slots, rope), per_query),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
+            jax.ShapeDtypeStruct(q_r.shape, q_r.dtype),
+            jax.ShapeDtypeStruct((batch, q_len, slots, width), jnp.float32),
+            jax.ShapeDtypeStruct((batch, q_len, slots, rope), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=1),
+    )(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
+
+
+def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """acc[b, rows[b, m]] += values[b, m] for every m, duplicates summed; out-of-range rows dropped."""
+    return jax.vmap(lambda a, r, v: a.at[r].add(v, mode="drop"))(acc, rows, values)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret)[0]
+
+
+def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    q_c, q_r = split_queries(q, layout)
+    k_c, k_r = split_latent(latent, layout)
+    out, lse = _forward_call(q_c, q_r, pad_indices(indices, layout), k_c, k_r, scale=scale, layout=layout,
+                             interpret=interpret)
+    out = out[:, :, : layout.heads, : layout.latent_dim]
+    lse = lse[:, :, : layout.heads]
+    return (out, lse), (q, latent, indices, out, lse)
+
+
+def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+    q, latent, indices, out, lse = residuals
+    d_out, d_lse = cotangents
+    batch, q_len = q.shape[:2]
+    num_keys = latent.shape[1]
+    chunk = min(bwd_query_chunk, q_len)
+    padded_len = round_up(q_len, chunk)
+
+    def pad_queries(x, value=0):
+        return pad_axis(x, 1, padded_len, value)
+
+    shift = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
+    q_c, q_r = (pad_queries(x) for x in split_queries(q, layout))
+    k_c, k_r = split_latent(latent, layout)
+    idx = pad_queries(pad_indices(indices, layout), value=-1)
+    do_c = pad_queries(split_queries(d_out.astype(q.dtype), layout)[0])
+    lse_p = pad_queries(pad_axis(lse, 2, layout.heads_padded))
+    shift_p = pad_queries(pad_axis(shift, 2, layout.heads_padded))
+
+    def chunk_step(c, carry):
+        dq_c, dq_r, dlat_c, dlat_r = carry
+        start = c * chunk
+
+        def take(x):
+            return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+
+        idx_chunk = take(idx)
+        dq_c_chunk, dq_r_chunk, dk_c, dk_r = _backward_call(
+            take(q_c), take(q_r), idx_chunk, k_c, k_r, take(do_c), take(lse_p), take(shift_p),
+            scale=scale, layout=layout, interpret=interpret)
+        rows = jnp.where((idx_chunk >= 0) & (idx_chunk < num_keys), idx_chunk, num_keys).reshape(batch, -1)
+        dlat_c = _scatter_add_rows(dlat_c, rows, dk_c.reshape(batch, rows.shape[1], -1))
+        dlat_r = _scatter_add_rows(dlat_r, rows, dk_r.reshape(batch, rows.shape[1], -1))
+        dq_c = lax.dynamic_update_slice_in_dim(dq_c, dq_c_chunk, start, axis=1)
+        dq_r = lax.dynamic_update_slice_in_dim(dq_r, dq_r_chunk, start, axis=1)
+        return dq_c, dq_r, dlat_c, dlat_r
+
+    init = (jnp.zeros_like(q_c), jnp.zeros_like(q_r), jnp.zeros(k_c.shape, jnp.float32),
+            jnp.zeros(k_r.shape, jnp.float32))
+    dq_c, dq_r, dlat_c, dlat_r = lax.fori_loop(0, padded_len // chunk, chunk_step, init)
+    heads, c_dim, r_dim = layout.heads, layout.latent_dim, layout.rope_dim
+    dq = jnp.concatenate([dq_c[:, :q_len, :heads, :c_dim], dq_r[:, :q_len, :heads, :r_dim]], axis=-1)
+    dlatent = jnp.concatenate([dlat_c[..., :c_dim], dlat_r[..., :r_dim]], axis=-1)
+    return dq.astype(q.dtype), dlatent.astype(latent.dtype), None
+
+
+_sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
+
+
+def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=256,
+                         interpret=None):
+    """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
+
+    q: [B, S, H, C+R] absorbed queries; latent: [B, T, C+R] (keys = whole rows, values = first C columns);
+    indices: int [B, S, N] selected rows, shared by all heads; -1 (or any value outside [0, T)) marks an
+    unused slot. Valid indices of one query must be distinct (a repeated row would count twice).
+    out: [B, S, H, C] in q.dtype (0 for a query without valid slots); lse: fp32 [B, S, H] (NEG_INF there).
+    block_n: selected rows per online-softmax step (power of two >= 16; N is padded to a multiple).
+    bwd_query_chunk: queries per backward step; bounds the per-slot gradient buffer to
+    B * bwd_query_chunk * N * (C+R) fp32 values. Differentiable in q and latent, through out and lse.
+    """
+    layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
+    check_scale(scale)
+    check_positive_int("bwd_query_chunk", bwd_query_chunk)
+    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, resolve_interpret(interpret))

@@ -1,0 +1,209 @@
+"""Model properties that do not need the HF reference: causality with pruning, backend equalities,
+IndexShare, packed segments, MTP, scan, the tie-break rule, bad input."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import indexer
+from glm5_jax.model.mtp import shift_within_segment
+from glm5_jax.model.transformer import forward, init, lm_head_logits
+from glm5_jax.model.validation import InputError
+
+TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                   num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, index_n_heads=4,
+                   index_head_dim=8, index_topk=4, mtp_num_steps=3, compute_dtype="float32",
+                   attention_backend="sparse", moe_backend="ragged").validate()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init(TINY, jax.random.key(0))
+
+
+def _tokens(seed, shape=(2, 16)):
+    return jax.random.randint(jax.random.key(seed), shape, 0, TINY.vocab_size)
+
+
+@pytest.mark.parametrize("backend", ["dense", "sparse"])
+def test_future_tokens_never_change_earlier_logits(params, backend):
+    config = dataclasses.replace(TINY, attention_backend=backend)
+    tokens = _tokens(1)
+    p = 9
+    changed = tokens.at[:, p + 1:].set((tokens[:, p + 1:] + 7) % TINY.vocab_size)
+    a = forward(params, tokens, config=config)
+    b = forward(params, changed, config=config)
+    np.testing.assert_array_equal(np.asarray(a.logits[:, : p + 1]), np.asarray(b.logits[:, : p + 1]))
+    assert not np.allclose(a.logits[:, p + 1:], b.logits[:, p + 1:])
+    # MTP depth k reads t_{i+k}: positions i <= p - k are untouched by the change.
+    for k in range(1, TINY.mtp_num_steps + 1):
+        np.testing.assert_array_equal(np.asarray(a.mtp_logits[k - 1, :, : p + 1 - k]),
+                                      np.asarray(b.mtp_logits[k - 1, :, : p + 1 - k]))
+
+
+def test_short_sequences_are_exactly_dense(params):
+    tokens = _tokens(2, (2, TINY.index_topk))  # T <= index_topk: every causal key is selected
+    sparse = forward(params, tokens, config=TINY, collect_routing=True)
+    no_pruning = dataclasses.replace(TINY, index_topk=10_000, attention_backend="dense")
+    dense = forward(params, tokens, config=no_pruning)
+    np.testing.assert_allclose(sparse.logits, dense.logits, atol=1e-5)
+    topk = np.asarray(sparse.aux["topk"])
+    for s in range(tokens.shape[1]):
+        assert set(topk[0, 0, s][topk[0, 0, s] >= 0]) == set(range(s + 1))
+
+
+def test_sparse_equals_dense_and_absorbed_equals_expanded(params):
+    tokens = _tokens(3, (2, 20))
+    dense = forward(params, tokens, config=dataclasses.replace(TINY, attention_backend="dense"))
+    sparse = forward(params, tokens, config=TINY)
+    np.testing.assert_allclose(sparse.logits, dense.logits, atol=1e-5)
+    np.testing.assert_allclose(sparse.mtp_logits, dense.mtp_logits, atol=1e-5)
+
+
+def test_absorbed_attention_equals_expanded_on_all_keys(params):
+    from glm5_jax.model import attention
+    from glm5_jax.model.layers import rope_angles
+
+    attn = jax.tree.map(lambda a: a[0], params["dense_layers"]["attn"])
+    x = jax.random.normal(jax.random.key(4), (1, 6, TINY.hidden_size))
+    cos, sin = rope_angles(jnp.arange(6)[None], TINY.qk_rope_head_dim, TINY.rope_theta)
+    proj = attention.project(attn, x, cos, sin, TINY)
+    allowed = jnp.tril(jnp.ones((6, 6), bool))[None]
+    expanded = attention.expanded_attention(attn, proj, allowed, TINY)
+    indices = jnp.where(allowed, jnp.arange(6)[None, None], -1)
+    latent, _ = attention.sparse_latent_attention(attention.absorbed_queries(attn, proj, TINY), proj["cache"],
+                                                  indices, TINY.softmax_scale, TINY.kv_lora_rank)
+    np.testing.assert_allclose(attention.latent_to_heads(attn, latent, TINY), expanded, atol=1e-5)
+
+
+def test_moe_backends_agree_values_and_gradients(params):
+    tokens = _tokens(5, (2, 12))
+
+    def loss(p, backend):
+        out = forward(p, tokens, config=dataclasses.replace(TINY, moe_backend=backend), mtp_steps=1)
+        return jnp.mean(out.logits**2) + jnp.mean(out.mtp_logits**2)
+
+    ref_val, ref_grad = jax.value_and_grad(loss)(params, "reference")
+    rag_val, rag_grad = jax.value_and_grad(loss)(params, "ragged")
+    np.testing.assert_allclose(rag_val, ref_val, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(rag_grad), jax.tree.leaves(ref_grad)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_packed_segments_never_interact(params):
+    a, b = _tokens(6, (1, 9)), _tokens(7, (1, 7))
+    packed = jnp.concatenate([a, b], axis=1)
+    segment_ids = jnp.array([[1] * 9 + [2] * 7])
+    positions = jnp.array([list(range(9)) + list(range(7))])
+    out = forward(params, packed, config=TINY, segment_ids=segment_ids, positions=positions)
+    out_a, out_b = forward(params, a, config=TINY), forward(params, b, config=TINY)
+    np.testing.assert_allclose(out.logits[:, :9], out_a.logits, atol=1e-5)
+    np.testing.assert_allclose(out.logits[:, 9:], out_b.logits, atol=1e-5)
+    # MTP: positions whose shifted token stays inside the segment match the unpacked run.
+    for k in range(1, 4):
+        np.testing.assert_allclose(out.mtp_logits[k - 1, :, : 9 - k], out_a.mtp_logits[k - 1, :, : 9 - k], atol=1e-5)
+        np.testing.assert_allclose(out.mtp_logits[k - 1, :, 9: 16 - k], out_b.mtp_logits[k - 1, :, : 7 - k],
+                                   atol=1e-5)
+
+
+def test_index_share_layers_reuse_previous_topk():
+    config = dataclasses.replace(TINY, num_hidden_layers=4, indexer_types=("full", "shared", "shared", "full"))
+    p = init(config, jax.random.key(1))
+    assert p["indexers"]["wk"]["kernel"].shape[0] == 2  # only full layers own an indexer
+    topk = np.asarray(forward(p, _tokens(8), config=config, collect_routing=True).aux["topk"])
+    np.testing.assert_array_equal(topk[1], topk[0])
+    np.testing.assert_array_equal(topk[2], topk[0])
+    assert not np.array_equal(topk[3], topk[0])
+
+
+def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
+    from glm5_jax.model.decoder import LayerContext, decoder_layer
+    from glm5_jax.model.layers import rms_norm, rope_angles
+
+    assert "mtp" in params and "layers" not in params["mtp"]  # one module, no per-depth copies
+    tokens = _tokens(9, (1, 12))
+    out = forward(params, tokens, config=TINY)
+    assert out.mtp_logits.shape == (3, 1, 12, TINY.vocab_size)
+    mtp, eps = params["mtp"], TINY.rms_norm_eps
+    cos, sin = rope_angles(jnp.arange(12)[None], TINY.qk_rope_head_dim, TINY.rope_theta)
+    h = out.hidden
+    for k in range(1, 4):
+        # Depth k at position i reads t_{i+k}; it is compared where i+k is inside the sequence.
+        n = 12 - k
+        emb = params["embed"]["embedding"][tokens[:, k:]]
+        x = jnp.concatenate([rms_norm(emb, mtp["enorm"]["scale"], eps),
+                             rms_norm(h[:, :n], mtp["hnorm"]["scale"], eps)], -1) @ mtp["eh_proj"]["kernel"]
+        ctx = LayerContext(cos[:, :n], sin[:, :n], jnp.ones((1, n), jnp.int32), jnp.ones((1, n), bool))
+        layer = {key: v for key, v in mtp["layer"].items() if key != "indexer"}
+        h, _, _ = decoder_layer(layer, mtp["layer"]["indexer"], x, ctx, None, TINY)
+        logits = lm_head_logits(params, rms_norm(h, mtp["shared_head_norm"]["scale"], eps))
+        np.testing.assert_allclose(out.mtp_logits[k - 1, :, :n], logits, atol=1e-5)
+
+
+def test_shift_within_segment_marks_targets_across_boundaries():
+    tokens = jnp.array([[10, 11, 12, 20, 21]])
+    seg = jnp.array([[1, 1, 1, 2, 2]])
+    shifted, valid = shift_within_segment(tokens, seg, 1)
+    np.testing.assert_array_equal(shifted, [[11, 12, 0, 21, 0]])
+    np.testing.assert_array_equal(valid, [[True, True, False, True, False]])
+
+
+def test_scan_keeps_the_jaxpr_independent_of_depth():
+    def size(layers):
+        config = dataclasses.replace(TINY, num_hidden_layers=layers, mtp_num_steps=0)
+        shapes = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+        jaxpr = jax.make_jaxpr(lambda p, t: forward(p, t, config=config).logits)(shapes, jnp.zeros((1, 8), jnp.int32))
+        # Shapes print the layer count (3 vs 24); everything else must be identical.
+        return re.sub(r"\s+", " ", re.sub(r"\d+", "N", str(jaxpr)))
+
+    assert size(24) == size(3)
+
+
+def test_topk_tie_break_takes_the_lowest_index_first():
+    # Keys 1..5 all score exactly 0 (ReLU); key 0 is invisible to nobody; k=3 must take 0 (largest) then 1, 2.
+    scores = jnp.array([[[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    np.testing.assert_array_equal(indexer.topk_from_scores(scores, 3), [[[0, 1, 2]]])
+    masked = jnp.array([[[1.0, -1e30, -1e30]]])
+    np.testing.assert_array_equal(indexer.topk_from_scores(masked, 3), [[[0, -1, -1]]])
+
+
+def test_query_chunked_indexer_matches_unchunked():
+    key = jax.random.key(10)
+    q = jax.random.normal(key, (2, 16, 4, 8))
+    k = jax.random.normal(jax.random.key(11), (2, 16, 8))
+    w = jax.random.normal(jax.random.key(12), (2, 16, 4))
+    seg = jnp.ones((2, 16), jnp.int32)
+    full = indexer.select_topk(q, k, w, seg, seg, 5)
+    chunked = indexer.select_topk(q, k, w, seg, seg, 5, query_chunk=4)
+    np.testing.assert_array_equal(full, chunked)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda t: t.at[0, 3].set(97), "outside the vocabulary"),
+    (lambda t: t.at[1, 0].set(-1), "outside the vocabulary"),
+    (lambda t: t.astype(jnp.float32), "integer"),
+    (lambda t: t[0], "rank 2"),
+])
+def test_bad_tokens_are_rejected_with_clear_errors(params, bad, message):
+    with pytest.raises(InputError, match=message):
+        forward(params, bad(_tokens(13)), config=TINY)
+
+
+def test_bad_segment_ids_and_positions_are_rejected(params):
+    tokens = _tokens(14, (1, 6))
+    with pytest.raises(InputError, match="segment_ids has shape"):
+        forward(params, tokens, config=TINY, segment_ids=jnp.ones((1, 5), jnp.int32))
+    with pytest.raises(InputError, match="not contiguous"):
+        forward(params, tokens, config=TINY, segment_ids=jnp.array([[1, 1, 2, 2, 1, 1]]))
+    with pytest.raises(InputError, match="positions"):
+        forward(params, tokens, config=TINY, positions=jnp.full((1, 6), -1))
+    wrong_shape = dataclasses.replace(TINY, hidden_size=64)
+    with pytest.raises(InputError, match="another model shape"):
+        forward(params, tokens, config=wrong_shape)

@@ -1,0 +1,157 @@
+"""Sparse MLA Pallas kernel (interpret mode) against the jnp reference: outputs, lse and gradients
+(dq, dlatent, including through lse), on causal selections with invalid slots and shared rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import NEG_INF, sparse_mla_attention
+from pallas_kernels.reference import sparse_mla_attention_reference
+
+
+def causal_indices(rng, batch, q_len, num_keys, num_slots, q_offset):
+    """Distinct valid keys per query among t <= q_offset + s, always including key 0 (shared by every
+    query); the rest of the N slots are -1, scattered among the valid ones."""
+    indices = np.full((batch, q_len, num_slots), -1, np.int32)
+    for b in range(batch):
+        for s in range(q_len):
+            visible = min(q_offset + s + 1, num_keys)
+            count = min(num_slots, visible, int(rng.integers(1, num_slots + 1)))
+            keys = np.concatenate([[0], rng.choice(np.arange(1, visible), size=count - 1, replace=False)])
+            indices[b, s, rng.choice(num_slots, size=count, replace=False)] = keys
+    return indices
+
+
+# (batch, q_len, keys, heads, C, R, N, block_n, dtype, q_offset): S = 1, N below / not a multiple of /
+# a multiple of block_n, head counts 1, 4, 16, T > N, non-power-of-two C and R (GLM-5 tiny configs).
+CASES = {
+    "h1_s1_bf16": (1, 1, 20, 1, 32, 16, 5, 16, jnp.bfloat16, 12),
+    "h4_causal": (2, 9, 40, 4, 24, 8, 20, 16, jnp.float32, 0),
+    "h16": (1, 6, 48, 16, 32, 16, 32, 16, jnp.float32, 30),
+}
+TOLERANCE = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+def _run(case):
+    batch, q_len, num_keys, heads, c_dim, r_dim, num_slots, block_n, dtype, q_offset = case
+    rng = np.random.default_rng(sum(case[:8]))
+    keys = jax.random.split(jax.random.key(case[0] + 10 * case[3]), 4)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, c_dim + r_dim), jnp.float32).astype(dtype)
+    latent = jax.random.normal(keys[1], (batch, num_keys, c_dim + r_dim), jnp.float32).astype(dtype)
+    indices = causal_indices(rng, batch, q_len, num_keys, num_slots, q_offset)
+    if q_len > 1:  # a query without valid slots; an index >= T counts as invalid like -1
+        indices[0, 1] = -1
+        indices[0, 1, -1] = num_keys + 5
+    indices = jnp.asarray(indices)
+    d_out = jax.random.normal(keys[2], (batch, q_len, heads, c_dim), jnp.float32).astype(dtype)
+    d_lse = jax.random.normal(keys[3], (batch, q_len, heads), jnp.float32)
+    scale = (c_dim + r_dim) ** -0.5
+
+    @jax.jit
+    def both(q, latent, d_out, d_lse):
+        results = []
+        for fn in (sparse_mla_attention, sparse_mla_attention_reference):
+            (out, lse), vjp = jax.vjp(
+                lambda q_, l_: fn(q_, l_, indices, scale=scale, kv_lora_rank=c_dim, block_n=block_n), q, latent)
+            results.append((out, lse, *vjp((d_out, d_lse))))
+        return results
+
+    return dict(q=q, latent=latent, indices=indices, d_lse=d_lse, scale=scale, dtype=dtype,
+                results=both(q, latent, d_out, d_lse),
+                lse_only=both(q, latent, jnp.zeros_like(d_out), d_lse)[0])
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request):
+    return _run(CASES[request.param])
+
+
+def test_output_and_lse_match_reference(run):
+    kernel, reference = run["results"]
+    tolerance = TOLERANCE[run["dtype"]]
+    np.testing.assert_allclose(np.asarray(kernel[0], np.float32), np.asarray(reference[0], np.float32), **tolerance)
+    np.testing.assert_allclose(kernel[1], reference[1], **tolerance)
+    assert kernel[0].dtype == run["dtype"] and kernel[1].dtype == jnp.float32
+
+
+def test_gradients_match_reference(run):
+    """dq and dlatent, with cotangents on both out and lse (d lse / d logit = p is honoured)."""
+    kernel, reference = run["results"]
+    for got, want in zip(kernel[2:], reference[2:]):
+        assert got.dtype == run["dtype"]
+        scale = float(np.abs(np.asarray(want, np.float32)).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
+                                   **TOLERANCE[run["dtype"]])
+    # Key 0 is selected by (almost) every query, so its latent row sums one contribution per query.
+    indices = np.asarray(run["indices"])
+    assert int(np.sum(indices == 0)) >= indices.shape[0] * indices.shape[1] - 1
+    assert np.abs(np.asarray(kernel[3][:, 0], np.float32)).max() > 0
+
+
+def test_query_without_valid_slot_gives_zeros_and_finite_lse(run):
+    kernel, _ = run["results"]
+    out, lse, dq, dlatent = (np.asarray(x, np.float32) for x in kernel)
+    assert np.isfinite(out).all() and np.isfinite(dq).all() and np.isfinite(dlatent).all()
+    if run["indices"].shape[1] > 1:
+        assert np.all(out[0, 1] == 0) and np.all(dq[0, 1] == 0)
+        assert np.all(lse[0, 1] == np.float32(NEG_INF))
+
+
+def test_lse_gradient_alone_is_p_weighted_keys(run):
+    """With only an lse cotangent: dq[h] = scale * d_lse[h] * sum_n p[h, n] k_n (hand formula, numpy)."""
+    q, latent, indices, d_lse = (np.asarray(run[name], np.float64) for name in ("q", "latent", "indices", "d_lse"))
+    _, _, dq, _ = run["lse_only"]
+    for b, s in [(0, 0), (q.shape[0] - 1, q.shape[1] - 1)]:  # (0, 1) may have no valid slot
+        rows = latent[b, indices[b, s][indices[b, s] >= 0].astype(int)]
+        logits = run["scale"] * q[b, s] @ rows.T
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        want = run["scale"] * d_lse[b, s][:, None] * (p @ rows)
+        np.testing.assert_allclose(np.asarray(dq[b, s], np.float64), want, **TOLERANCE[run["dtype"]])
+
+
+def test_reference_matches_float64_loop():
+    """The reference itself against a direct float64 numpy loop."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(1, 3, 2, 12))
+    latent = rng.normal(size=(1, 7, 12))
+    indices = np.array([[[0, -1, 4], [6, 5, 1], [-1, -1, -1]]], np.int32)
+    out, lse = sparse_mla_attention_reference(jnp.asarray(q, jnp.float32), jnp.asarray(latent, jnp.float32),
+                                              jnp.asarray(indices), scale=0.5, kv_lora_rank=8)
+    for s in range(3):
+        rows = latent[0, [i for i in indices[0, s] if i >= 0]]
+        for h in range(2):
+            if len(rows) == 0:
+                assert np.all(np.asarray(out[0, s, h]) == 0) and lse[0, s, h] == NEG_INF
+                continue
+            logits = 0.5 * rows @ q[0, s, h]
+            p = np.exp(logits - logits.max())
+            np.testing.assert_allclose(out[0, s, h], (p / p.sum()) @ rows[:, :8], rtol=1e-5)
+            np.testing.assert_allclose(lse[0, s, h], logits.max() + np.log(p.sum()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=jnp.zeros((1, 2, 4))), "q must have rank 4"),
+    (dict(latent=jnp.zeros((1, 6, 40))), "latent.shape\\[-1\\]"),
+    (dict(indices=jnp.zeros((1, 2, 3))), "indices must be an integer array"),
+    (dict(indices=jnp.zeros((1, 3, 3), jnp.int32)), "indices.shape\\[:2\\]"),
+    (dict(kv_lora_rank=48), "kv_lora_rank"),
+    (dict(block_n=24), "block_n must be a power of two"),
+    (dict(scale=-1.0), "scale must be a positive"),
+    (dict(latent=jnp.zeros((1, 6, 48), jnp.bfloat16)), "latent.dtype"),
+])
+def test_bad_input_is_rejected_before_compiling(change, message):
+    args = dict(q=jnp.zeros((1, 2, 4, 48)), latent=jnp.zeros((1, 6, 48)), indices=jnp.zeros((1, 2, 3), jnp.int32),
+                scale=0.1, kv_lora_rank=32, block_n=16)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        sparse_mla_attention(args.pop("q"), args.pop("latent"), args.pop("indices"), **args)
+
+
+def test_compiled_call_on_tpu_is_refused(monkeypatch):
+    """The gathers are Triton pointer loads: a compiled call on TPU must fail early with a clear message."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ValueError, match="interpret=False is not supported on TPU"):
+        sparse_mla_attention(jnp.zeros((1, 2, 4, 48)), jnp.zeros((1, 6, 48)), jnp.zeros((1, 2, 3), jnp.int32),
+                             scale=0.1, kv_lora_rank=32, interpret=False)

@@ -1,0 +1,161 @@
+"""Checkpoint round trips, keep-K, resume, crash safety, shape checks and the non-finite guard."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from orbax.checkpoint.path import atomicity
+import pytest
+
+from glm5_jax.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from glm5_jax.train.optim import OptimConfig, make_optimizer
+
+V, D, C, H, NOPE, P, L, E = 8, 4, 6, 2, 2, 3, 2, 3
+
+
+def make_params(seed):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    return {
+        "embed": {"embedding": normal(V, D)},
+        "dense_layers": {"input_norm": {"scale": normal(L, D)},
+                         "attn": {"kv_b_proj": {"kernel": normal(L, C, H, NOPE + P)},
+                                  "o_proj": {"kernel": normal(L, H, P, D)}}},
+        "moe_layers": {"moe": {"e_score_correction_bias": normal(L, E)}},
+    }
+
+
+OPTIMIZER = make_optimizer(OptimConfig(name="muon"), make_params(0))
+UPDATE = jax.jit(OPTIMIZER.update)
+
+
+def make_state(seed):
+    """Params plus a real Muon optimizer state (NamedTuples, masked leaves, int counters)."""
+    params = make_params(seed)
+    _, opt_state = UPDATE(make_params(seed + 100), OPTIMIZER.init(params), params)
+    return params, opt_state
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def save_steps(ckpt, steps):
+    saved = {}
+    for step in steps:
+        params, opt_state = make_state(step)
+        if ckpt.save(step, params=params, opt_state=opt_state, data_state={"next_index": step * 10},
+                     config={"model": {"hidden_size": D}, "step": step}):
+            saved[step] = params, opt_state
+    return saved
+
+
+def test_round_trip_keeps_newest_k_and_resumes_latest(tmp_path):
+    with Checkpointer(tmp_path, save_interval_steps=2, max_to_keep=2) as ckpt:
+        saved = save_steps(ckpt, range(9))
+        assert sorted(saved) == [0, 2, 4, 6, 8]
+        assert ckpt.all_steps() == [6, 8]
+    target_params, target_state = make_state(99)
+    with Checkpointer(tmp_path, save_interval_steps=2, max_to_keep=2) as resumed:
+        assert resumed.latest_step() == 8
+        restored = resumed.restore(target_params, target_state)
+        assert restored.step == 8
+        assert_trees_equal(restored.params, saved[8][0])
+        assert_trees_equal(restored.opt_state, saved[8][1])
+        assert restored.data_state == {"next_index": 80}
+        assert restored.config == {"model": {"hidden_size": D}, "step": 8}
+        older = resumed.restore(target_params, step=6)
+        assert older.opt_state is None
+        assert_trees_equal(older.params, saved[6][0])
+        with pytest.raises(CheckpointError, match="step=4 is not in"):
+            resumed.restore(target_params, step=4)
+
+
+def test_restore_into_abstract_targets_with_shardings(tmp_path):
+    params, opt_state = make_state(3)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, params=params, opt_state=opt_state, force=True)
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), params)
+        restored = ckpt.restore(abstract)
+    assert_trees_equal(restored.params, params)
+    assert all(x.sharding == sharding for x in jax.tree.leaves(restored.params))
+    assert restored.data_state is None and restored.config is None
+
+
+def test_exception_mid_save_leaves_previous_checkpoint_restorable(tmp_path, monkeypatch):
+    with Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
+        saved = save_steps(ckpt, [1])
+
+        # Every item is written into the temporary folder, then the final commit (rename) fails.
+        async def crash_before_commit(self):
+            raise OSError("simulated crash before the atomic rename")
+
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", crash_before_commit)
+        params, opt_state = make_state(2)
+        with pytest.raises(OSError, match="simulated crash"):
+            ckpt.save(2, params=params, opt_state=opt_state, data_state={"next_index": 20})
+            ckpt.wait_until_finished()
+        monkeypatch.undo()
+        assert list(tmp_path.glob("2*")), "the interrupted save should leave its temporary folder"
+    with Checkpointer(tmp_path, save_interval_steps=1) as restarted:
+        assert restarted.all_steps() == [1]
+        restored = restarted.restore(*make_state(50))
+        assert restored.step == 1 and restored.data_state == {"next_index": 10}
+        assert_trees_equal(restored.params, saved[1][0])
+        assert save_steps(restarted, [2]).keys() == {2}
+        assert restarted.latest_step() == 2
+
+
+def test_killed_save_leaves_temporary_folder_that_is_ignored(tmp_path):
+    with Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
+        saved = save_steps(ckpt, [1, 2])
+    # A process killed mid-save leaves a partly written temporary step folder behind.
+    partial = tmp_path / f"3{atomicity.TMP_DIR_SUFFIX}"
+    shutil.copytree(tmp_path / "2", partial)
+    shutil.rmtree(partial / "opt_state")
+    for marker in partial.glob("*CHECKPOINT_METADATA*"):
+        marker.unlink()
+    with Checkpointer(tmp_path, save_interval_steps=1) as restarted:
+        assert restarted.latest_step() == 2
+        restored = restarted.restore(*make_state(50))
+    assert restored.step == 2
+    assert_trees_equal(restored.opt_state, saved[2][1])
+    assert not partial.exists()
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
+    params, opt_state = make_state(1)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, params=params, opt_state=opt_state, force=True)
+        wrong = make_params(2)
+        wrong["dense_layers"]["attn"]["o_proj"]["kernel"] = jnp.zeros((L, H, P, D + 1))
+        with pytest.raises(CheckpointError, match=r"dense_layers/attn/o_proj/kernel.*\(2, 2, 3, 4\).*\(2, 2, 3, 5\)"):
+            ckpt.restore(wrong)
+        missing = make_params(2)
+        missing["extra"] = {"scale": jnp.zeros((D,))}
+        with pytest.raises(CheckpointError, match="no parameter 'extra/scale'"):
+            ckpt.restore(missing)
+        adamw_state = make_optimizer(OptimConfig(name="adamw"), params).init(params)
+        with pytest.raises(CheckpointError, match="optimizer state"):
+            ckpt.restore(params, adamw_state)
+        with pytest.raises(CheckpointError, match="data_state must be JSON"):
+            ckpt.save(2, params=params, opt_state=opt_state, data_state={"it": object()}, force=True)
+
+
+def test_save_if_finite_never_replaces_last_good_checkpoint(tmp_path):
+    params, opt_state = make_state(1)
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=1) as ckpt:
+        assert ckpt.save_if_finite(1, loss=jnp.float32(2.5), params=params, opt_state=opt_state,
+                                   data_state={"next_index": 1})
+        with pytest.raises(NonFiniteStateError, match=r"loss=nan.*step 1"):
+            ckpt.save_if_finite(2, loss=float("nan"), params=params, opt_state=opt_state)
+        poisoned = make_params(1)
+        poisoned["embed"]["embedding"] = poisoned["embed"]["embedding"].at[0, 0].set(jnp.inf)
+        with pytest.raises(NonFiniteStateError, match=r"params\['embed/embedding'\]"):
+            ckpt.save_if_finite(3, loss=1.0, params=poisoned, opt_state=opt_state)
+        assert ckpt.all_steps() == [1]
+        assert_trees_equal(ckpt.restore(params).params, params)

@@ -1,0 +1,58 @@
+"""Configuration loading, overrides and validation errors that name field, value and the valid range."""
+
+import dataclasses
+
+import pytest
+
+from glm5_jax.config import ConfigError, ModelConfig, apply_overrides, load_model_config
+from glm5_jax.model.param_count import count_params
+
+
+def test_released_config_parameter_counts():
+    counts = count_params(load_model_config("configs/glm5_744b.yaml"))
+    assert counts["total"] == 753_864_139_008
+    assert counts["total"] - counts["mtp"] - 75 * 256 == 743_911_199_232  # HF's count: no MTP, no biases
+    assert round(counts["without_mtp"] / 1e9, 1) == 743.9
+    assert 38e9 < counts["active_per_token"] < 43e9  # "about 40B active"
+
+
+def test_yaml_overrides_are_typed():
+    config = load_model_config("configs/tiny.yaml", ["model.index_topk=16", "attention_backend=dense",
+                                                     "indexer_types=[full, shared, full]"])
+    assert config.index_topk == 16 and config.attention_backend == "dense"
+    assert config.indexer_types == ("full", "shared", "full")
+
+
+@pytest.mark.parametrize("change, field, hint", [
+    (dict(num_attention_heads=0), "num_attention_heads", "positive"),
+    (dict(topk_group=8, n_group=4), "topk_group", "<= n_group"),
+    (dict(n_routed_experts=10, n_group=4, topk_group=1), "n_group", "divide"),
+    (dict(qk_rope_head_dim=32, index_head_dim=16), "qk_rope_head_dim", "index_head_dim"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok", "n_routed_experts"),
+    (dict(attention_backend="flash"), "attention_backend", "dense"),
+    (dict(indexer_types=("shared", "full", "full")), "indexer_types", "first layer"),
+    (dict(indexer_types=("full",)), "indexer_types", "one entry per layer"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim", "even"),
+])
+def test_invalid_configs_name_field_value_and_range(change, field, hint):
+    base = load_model_config("configs/tiny.yaml")
+    with pytest.raises(ConfigError, match=field) as err:
+        dataclasses.replace(base, **change).validate()
+    assert hint in str(err.value)
+
+
+def test_unknown_and_malformed_keys():
+    with pytest.raises(ConfigError, match="model.num_heads.*unknown key"):
+        load_model_config("configs/tiny.yaml", ["num_heads=4"])
+    with pytest.raises(ConfigError, match="hidden_size.*integer"):
+        load_model_config("configs/tiny.yaml", ["hidden_size=big"])
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["index_topk"])
+    with pytest.raises(ConfigError, match="file not found"):
+        load_model_config("configs/missing.yaml")
+
+
+def test_defaults_are_glm5():
+    config = ModelConfig().validate()
+    assert (config.hidden_size, config.num_hidden_layers, config.index_topk) == (6144, 78, 2048)
+    assert config.qk_head_dim == 256 and config.latent_dim == 576

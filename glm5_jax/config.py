@@ -199,6 +199,9 @@ class TrainConfig:
     eval_every: int = 0            # 0 = evaluate only at the end
     eval_batches: int = 4
     run_dir: str = "runs/default"
+    # Start from another run's latest parameters (its run directory); the optimizer starts fresh.
+    # Used to continue a dense-MLA model into DSA training, or to RL from an SFT model.
+    init_from: str = ""
 
     def validate(self) -> "TrainConfig":
         if self.mode not in TRAIN_MODES:
@@ -207,6 +210,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(f"train.{name}", value, "must be a positive integer")
+        if self.init_from and not (Path(self.init_from) / "checkpoints").is_dir():
+            _fail("train.init_from", self.init_from, "must be a run directory holding checkpoints/")
         if self.batch_size % self.microbatches:
             _fail("train.microbatches", self.microbatches, f"must divide train.batch_size ({self.batch_size})")
         for name in ("mtp_loss_weight", "balance_loss_weight", "bias_update_rate", "indexer_kl_weight",

@@ -29,6 +29,38 @@ def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
     return terms.sum(-1)
 
 
+def _dense_attention_and_target(attn, proj, visible, segment_ids, config):
+    """Dense attention over every visible key, and the head-mean probability target [B, S, T]."""
+    if config.attention_backend != "pallas":
+        heads, probs = attention.expanded_attention(attn, proj, visible, config, return_probs=True)
+        return heads, probs.astype(jnp.float32).mean(1)
+    from pallas_kernels import dense_attention_target, sparse_mla_attention
+
+    q = attention.absorbed_queries(attn, proj, config)
+    every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
+    latent, _ = sparse_mla_attention(q, proj["cache"], every_visible, scale=config.softmax_scale,
+                                     kv_lora_rank=config.kv_lora_rank)
+    target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]),
+                                    scale=config.softmax_scale, q_segment_ids=segment_ids, k_segment_ids=segment_ids)
+    return attention.latent_to_heads(attn, latent, config), target
+
+
+def _sparse_attention_and_target(attn, proj, topk, config):
+    """Attention over the selected keys, and the head-mean probability target at those keys [B, S, N]."""
+    q = attention.absorbed_queries(attn, proj, config)
+    if config.attention_backend != "pallas":
+        latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
+                                                             config.kv_lora_rank, return_probs=True)
+        return attention.latent_to_heads(attn, latent, config), probs.astype(jnp.float32).mean(2)
+    from pallas_kernels import sparse_attention_target, sparse_mla_attention
+
+    latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
+                                       kv_lora_rank=config.kv_lora_rank)
+    target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]), topk,
+                                     jax.lax.stop_gradient(lse), scale=config.softmax_scale)
+    return attention.latent_to_heads(attn, latent, config), target
+
+
 def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj: dict, topk: jax.Array,
                            segment_ids: jax.Array, token_mask: jax.Array, cos, sin, config: ModelConfig,
                            mode: str) -> tuple[jax.Array, dict]:
@@ -38,17 +70,19 @@ def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj:
     k_i = indexer.indexer_keys(indexer_params, jax.lax.stop_gradient(h), cos, sin, config)
     if mode == "dense_warmup":
         visible = visible_keys(segment_ids, segment_ids)
-        heads, probs = attention.expanded_attention(attn, proj, visible, config, return_probs=True)
-        p = jax.lax.stop_gradient(probs.astype(jnp.float32).mean(1))  # [B, S, T], rows sum to 1
-        scores = indexer.index_scores(q_i, k_i, w_i, segment_ids, segment_ids)
+        heads, p = _dense_attention_and_target(attn, proj, visible, segment_ids, config)
+        p = jax.lax.stop_gradient(p)  # rows sum to 1 over the visible keys
+        if config.attention_backend == "pallas":
+            from pallas_kernels import indexer_scores
+
+            scores = indexer_scores(q_i, k_i, w_i, q_segment_ids=segment_ids, k_segment_ids=segment_ids)
+        else:
+            scores = indexer.index_scores(q_i, k_i, w_i, segment_ids, segment_ids)
         kl = _kl(p, scores, visible)
         captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
     elif mode == "sparse":
-        q = attention.absorbed_queries(attn, proj, config)
-        latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
-                                                             config.kv_lora_rank, return_probs=True)
-        heads = attention.latent_to_heads(attn, latent, config)
-        p = jax.lax.stop_gradient(probs.astype(jnp.float32).mean(2))  # [B, S, N]
+        heads, p = _sparse_attention_and_target(attn, proj, topk, config)
+        p = jax.lax.stop_gradient(p)
         valid = topk >= 0
         keys = jax.vmap(lambda k, i: k[i])(k_i, jnp.maximum(topk, 0))  # [B, S, N, J]: only selected rows
         logits = jnp.einsum("BSIJ,BSNJ->BSIN", q_i.astype(jnp.float32), keys.astype(jnp.float32))

@@ -44,8 +44,13 @@ def full_indexer_slots(config: ModelConfig) -> np.ndarray:
 
 def init(config: ModelConfig, rng: jax.Array) -> dict:
     """Build the parameter pytree: plain nested dicts, layers of one kind stacked on a leading axis, the
-    indexers of "full" layers in their own stack, the router (and its correction bias) in fp32."""
+    indexers of "full" layers in their own stack, the router (and its correction bias) in fp32.
+    Compiled as one program (under `jax.eval_shape` it allocates nothing)."""
     config.validate()
+    return _init_compiled(config, rng)
+
+
+def _init(config: ModelConfig, rng: jax.Array) -> dict:
     dtype = dtype_of(config.param_dtype)
     keys = jax.random.split(rng, 7)
     d, v = config.hidden_size, config.vocab_size
@@ -69,6 +74,9 @@ def init(config: ModelConfig, rng: jax.Array) -> dict:
     if config.num_nextn_predict_layers:
         params["mtp"] = init_mtp(config, keys[5], dtype)
     return params
+
+
+_init_compiled = jax.jit(_init, static_argnums=0)
 
 
 def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: LayerContext,
@@ -169,3 +177,15 @@ def forward(params: dict, tokens: jax.Array, *, config: ModelConfig, positions: 
 def lm_head_logits(params: dict, hidden: jax.Array) -> jax.Array:
     kernel = params["lm_head"]["kernel"].astype(hidden.dtype)
     return jnp.einsum("...D,DV->...V", hidden, kernel, preferred_element_type=jnp.float32)
+
+
+_STATIC_FORWARD_ARGS = ("config", "return_logits", "mtp_steps", "collect_routing", "indexer_mode", "mesh")
+_forward_compiled = jax.jit(forward, static_argnames=_STATIC_FORWARD_ARGS)
+
+
+def jit_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, **kwargs) -> ModelOutput:
+    """`forward` compiled once per (config, static options, shapes); inputs are validated on their concrete
+    values first, since inside the compiled function they are only shapes."""
+    validate_forward_inputs(params, tokens, kwargs.get("positions"), kwargs.get("segment_ids"), config,
+                            kwargs.get("expert_choices"), kwargs.get("topk_indices"))
+    return _forward_compiled(params, tokens, config=config, **kwargs)

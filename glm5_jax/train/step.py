@@ -175,7 +175,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
 
 
 def _metrics(sums: dict, dens: dict, counts: dict, grads, batch: dict, train_config: TrainConfig, mode: str) -> dict:
-    metrics = {"grad_norm": optax.global_norm(grads), "tokens": (batch["segment_ids"] > 0).sum()}
+    metrics = {"grad_norm": optax.tree.norm(grads), "tokens": (batch["segment_ids"] > 0).sum()}
     if mode == "rl":
         metrics.update(sums)
         return metrics

@@ -12,7 +12,7 @@ import pytest
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import indexer
 from glm5_jax.model.mtp import shift_within_segment
-from glm5_jax.model.transformer import forward, init, lm_head_logits
+from glm5_jax.model.transformer import init, jit_forward as forward, lm_head_logits
 from glm5_jax.model.validation import InputError
 
 TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -90,8 +90,9 @@ def test_moe_backends_agree_values_and_gradients(params):
         out = forward(p, tokens, config=dataclasses.replace(TINY, moe_backend=backend), mtp_steps=1)
         return jnp.mean(out.logits**2) + jnp.mean(out.mtp_logits**2)
 
-    ref_val, ref_grad = jax.value_and_grad(loss)(params, "reference")
-    rag_val, rag_grad = jax.value_and_grad(loss)(params, "ragged")
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    ref_val, ref_grad = value_and_grad(params, "reference")
+    rag_val, rag_grad = value_and_grad(params, "ragged")
     np.testing.assert_allclose(rag_val, ref_val, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(rag_grad), jax.tree.leaves(ref_grad)):
         np.testing.assert_allclose(a, b, atol=1e-6)
@@ -134,6 +135,7 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
     mtp, eps = params["mtp"], TINY.rms_norm_eps
     cos, sin = rope_angles(jnp.arange(12)[None], TINY.qk_rope_head_dim, TINY.rope_theta)
     h = out.hidden
+    layer_fn = jax.jit(decoder_layer, static_argnames=("config",))
     for k in range(1, 4):
         # Depth k at position i reads t_{i+k}; it is compared where i+k is inside the sequence.
         n = 12 - k
@@ -142,7 +144,7 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
                              rms_norm(h[:, :n], mtp["hnorm"]["scale"], eps)], -1) @ mtp["eh_proj"]["kernel"]
         ctx = LayerContext(cos[:, :n], sin[:, :n], jnp.ones((1, n), jnp.int32), jnp.ones((1, n), bool))
         layer = {key: v for key, v in mtp["layer"].items() if key != "indexer"}
-        h, _, _ = decoder_layer(layer, mtp["layer"]["indexer"], x, ctx, None, TINY)
+        h, _, _ = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY)
         logits = lm_head_logits(params, rms_norm(h, mtp["shared_head_norm"]["scale"], eps))
         np.testing.assert_allclose(out.mtp_logits[k - 1, :, :n], logits, atol=1e-5)
 

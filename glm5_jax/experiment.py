@@ -1,0 +1,54 @@
+"""An experiment = one YAML file with sections model / optim / train / data / checkpoint (/ rl), loaded with
+`key=value` overrides (`train.steps=50`, `model.index_topk=64`) and validated before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from glm5_jax.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
+                             apply_overrides, from_dict, load_yaml)
+from glm5_jax.train.optim import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig
+    optim: OptimConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.train.rl
+
+    def validate(self) -> "ExperimentConfig":
+        self.model.validate()
+        self.optim.validate()
+        self.train.validate()
+        self.data.validate()
+        self.checkpoint.validate()
+        if self.train.mode == "dsa_warmup" and self.optim.trainable == "all":
+            _fail("optim.trainable", self.optim.trainable,
+                  "the DSA dense warm-up trains the indexer only: set optim.trainable=indexer")
+        if self.train.mode == "rl" and not self.rl:
+            _fail("rl", self.rl, "train.mode=rl needs an rl: section (loss, eps_low, eps_high, ...)")
+        return self
+
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig}
+
+
+def experiment_from_dict(data: dict) -> ExperimentConfig:
+    unknown = sorted(set(data) - set(SECTIONS) - {"rl"})
+    if unknown:
+        _fail(unknown[0], data[unknown[0]], f"unknown section; known sections are {sorted(SECTIONS) + ['rl']}")
+    kwargs = {name: from_dict(cls, data.get(name) or {}, prefix=name + ".") for name, cls in SECTIONS.items()}
+    return ExperimentConfig(**kwargs, rl=data.get("rl")).validate()
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    data = apply_overrides(load_yaml(path), overrides or [])
+    try:
+        return experiment_from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None

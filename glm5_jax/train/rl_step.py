@@ -1,0 +1,181 @@
+"""Mode `rl` of the training step: the objective `make_train_step` accumulates, and the host-side pieces a
+run needs around it (the `rl:` config section, records -> validated, filtered batch, the frozen indexer).
+
+The objective runs the model without logits or MTP, replays the rollout engine's routing when the batch
+carries it and the run enables replay, computes fp32 logprobs of the targets at each sample's rollout
+temperature (`token_logprobs`, vocabulary chunks), and applies the registered loss (`glm5_jax.train.rl`).
+Its value is `weighted_sum(microbatch) / loss tokens(whole step)`, so accumulated microbatches give the
+exact step objective. Metrics come back as sums over microbatches too: token means are weighted by each
+microbatch's share of the step's loss tokens (exact); ratio_min / ratio_max / advantage_std are the mean
+of the per-microbatch values; counts (loss_tokens, non-finite counts) are plain sums.
+
+Routing replay. A batch from `make_batch` holds `expert_choices` [B, L_moe, S, A] and `indexer_topk`
+[B, L, S, N] when the records carry them; `forward` takes them layer-major, so they are transposed here.
+With replay the router's correction bias plays no part in the trainer's routing: the tokens are scored by
+the very experts (and attend to the very keys) that produced them at generation time.
+
+Router bias. Replayed routing does not depend on the bias, and the rollout engine's routing does; the RL
+recipes therefore set `train.bias_update_rate: 0` (the bias stays as pre-training left it). The step still
+applies the update when the rate is > 0, from the replayed expert counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ConfigError, ModelConfig, TrainConfig, from_dict
+from glm5_jax.data.rollouts import RolloutRecord, filter_and_pad, make_batch, validate_records
+from glm5_jax.model.transformer import forward
+from glm5_jax.train.optim import OptimConfig
+from glm5_jax.train.rl import (ADVANTAGES, LOSS_MASK, ROLLOUT_LOGPROBS, TEACHER_LOGPROBS,
+                               TOKEN_ADVANTAGE_ESTIMATORS, RLConfig, get_rl_loss)
+from glm5_jax.train.token_logprobs import token_logprobs
+
+_SEQUENCE_KEYS = ("tokens", "targets", "positions", "segment_ids", LOSS_MASK, ROLLOUT_LOGPROBS)
+# Summed as they are; averaged over microbatches; everything else is a token mean weighted by its share.
+_COUNT_METRICS = ("loss_tokens", "nonfinite_logp", "nonfinite_rollout_logprobs")
+_PER_MICROBATCH_METRICS = ("ratio_min", "ratio_max", "advantage_std")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStepConfig:
+    """The `rl:` section of an experiment: the loss (`RLConfig` fields, given flat) and how the trainer runs.
+
+    replay_routing: feed the recorded expert choices and indexer top-k back to the model when the batch
+      carries them (records generated with `collect_routing=True`); without them the trainer routes afresh.
+    train_indexer: GLM-5 freezes the DSA indexer in RL; true lets `optim.trainable` decide.
+    """
+
+    objective: RLConfig
+    replay_routing: bool = True
+    train_indexer: bool = False
+
+    def validate(self) -> "RLStepConfig":
+        if not isinstance(self.objective, RLConfig):
+            raise ConfigError(f"rl.objective={self.objective!r} is invalid: must be an RLConfig")
+        self.objective.validate()
+        for name in ("replay_routing", "train_indexer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"rl.{name}={getattr(self, name)!r} is invalid: must be true or false")
+        return self
+
+
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(RLStepConfig) if f.name != "objective")
+
+
+def rl_step_config_from_dict(data: dict) -> RLStepConfig:
+    """Parse an experiment's `rl:` mapping: RLConfig fields plus `replay_routing` / `train_indexer`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"rl={data!r} is invalid: must be a mapping of RL fields (loss, eps_low, ...)")
+    step_fields = {k: v for k, v in data.items() if k in _STEP_FIELDS}
+    loss_fields = {k: v for k, v in data.items() if k not in _STEP_FIELDS}
+    try:
+        objective = from_dict(RLConfig, loss_fields, prefix="rl.")
+    except ConfigError as err:
+        raise ConfigError(f"{err} (rl also accepts {list(_STEP_FIELDS)})") from None
+    step = from_dict(RLStepConfig, {"objective": {}, **step_fields}, prefix="rl.")
+    return dataclasses.replace(step, objective=objective).validate()
+
+
+def as_rl_step_config(rl_config) -> RLStepConfig:
+    """An RLStepConfig from an RLStepConfig, a bare RLConfig (replay on, indexer frozen) or an `rl:` mapping."""
+    if isinstance(rl_config, RLStepConfig):
+        return rl_config.validate()
+    if isinstance(rl_config, RLConfig):
+        return RLStepConfig(objective=rl_config).validate()
+    if isinstance(rl_config, dict):
+        return rl_step_config_from_dict(rl_config)
+    raise ConfigError(f"rl_config={rl_config!r} is invalid: mode 'rl' needs an RLStepConfig, an RLConfig or "
+                      "an rl: mapping with loss, eps_low, eps_high, ...")
+
+
+def rl_optim_config(optim_config: OptimConfig, rl_config) -> OptimConfig:
+    """The optimizer settings for RL: `trainable: all` becomes `non_indexer` unless rl.train_indexer is set,
+    so the DSA indexer is frozen by default (no update, no weight decay, no optimizer state)."""
+    step_config = as_rl_step_config(rl_config)
+    if step_config.train_indexer or optim_config.trainable != "all":
+        return optim_config
+    return dataclasses.replace(optim_config, trainable="non_indexer")
+
+
+def required_batch_keys(config: RLConfig) -> tuple[str, ...]:
+    """[B, S] fields the loss reads (the per-sample `temperature` [B] is needed too)."""
+    advantage = TEACHER_LOGPROBS if config.advantage in TOKEN_ADVANTAGE_ESTIMATORS else ADVANTAGES
+    return (*_SEQUENCE_KEYS, advantage)
+
+
+def _routing_inputs(mb: dict, replay: bool) -> dict:
+    if not replay:
+        return {}
+    inputs = {}
+    if "expert_choices" in mb:
+        inputs["expert_choices"] = jnp.swapaxes(mb["expert_choices"], 0, 1)  # [B, L_moe, S, A] -> layer-major
+    if "indexer_topk" in mb:
+        inputs["topk_indices"] = jnp.swapaxes(mb["indexer_topk"], 0, 1)
+    return inputs
+
+
+def rl_objective(model_config: ModelConfig, train_config: TrainConfig, rl_config, mesh=None):
+    """`objective(params, microbatch, dens) -> (objective, (sums, counts))` for `make_train_step`'s mode "rl".
+
+    Attributes: `.required_keys` (the [B, S] batch fields), `.denominators(batch)` (from the whole step's
+    masks, before any gradient), `.config` (the resolved RLStepConfig)."""
+    step_config = as_rl_step_config(rl_config)
+    loss_config = step_config.objective
+    loss_fn = get_rl_loss(loss_config.loss)
+    microbatches = train_config.microbatches
+
+    def denominators(batch: dict) -> dict:
+        loss_tokens = jnp.sum(jnp.asarray(batch[LOSS_MASK], jnp.float32))
+        rows = jnp.sum(jnp.any(batch["segment_ids"] > 0, axis=-1))
+        return {"loss_tokens": jnp.maximum(loss_tokens, 1.0), "rows": jnp.maximum(rows, 1).astype(jnp.float32)}
+
+    def objective(params, mb: dict, dens: dict):
+        if "temperature" not in mb:
+            raise ValueError("batch has no 'temperature' field: the RL step needs each sample's rollout "
+                             "temperature [B] (make_batch writes it)")
+        out = forward(params, mb["tokens"], config=model_config, positions=mb["positions"],
+                      segment_ids=mb["segment_ids"], return_logits=False, mtp_steps=0, mesh=mesh,
+                      **_routing_inputs(mb, step_config.replay_routing))
+        logp, entropy = token_logprobs(out.hidden, params["lm_head"]["kernel"], mb["targets"],
+                                       temperature=mb["temperature"], vocab_chunk=train_config.vocab_chunk,
+                                       compute_entropy=True)
+        weighted_sum, _, metrics = loss_fn(logp, mb, loss_config, entropy)
+        value = weighted_sum / dens["loss_tokens"]
+        share = metrics["loss_tokens"] / dens["loss_tokens"]
+        sums = {"loss": value}
+        for name, metric in metrics.items():
+            if name in _COUNT_METRICS:
+                sums[name] = metric
+            elif name in _PER_MICROBATCH_METRICS:
+                sums[name] = metric / microbatches
+            else:
+                sums[name] = metric * share
+        if "rewards" in mb:
+            real_rows = jnp.any(mb["segment_ids"] > 0, axis=-1)
+            sums["reward_mean"] = jnp.sum(jnp.where(real_rows, mb["rewards"], 0.0)) / dens["rows"]
+        return value, (sums, {"main": out.aux.get("expert_counts")})
+
+    objective.required_keys = required_batch_keys(loss_config)
+    objective.denominators = denominators
+    objective.config = step_config
+    return objective
+
+
+def rl_batch(records: Sequence[RolloutRecord], *, model_config: ModelConfig, seq_len: int, rl_config,
+             current_version: int, batch_size: int | None = None,
+             group_size: int | None = None) -> tuple[dict | None, dict[str, int]]:
+    """Records -> (batch for the RL step, filter counts): validate every record (errors name the rollout),
+    drop environment failures and samples staler than rl.max_staleness versions, repair or drop groups,
+    then build the fixed-shape batch with advantages over the kept groups (None when nothing is left)."""
+    loss_config = as_rl_step_config(rl_config).objective
+    validate_records(records, vocab_size=model_config.vocab_size)
+    kept, counts = filter_and_pad(records, current_version=current_version,
+                                  max_staleness=loss_config.max_staleness, group_size=group_size)
+    if not kept:
+        return None, counts
+    return make_batch(kept, seq_len=seq_len, config=loss_config, batch_size=batch_size), counts

@@ -1,0 +1,219 @@
+"""`glm5 train CONFIG [key=value ...]`: run an experiment into its run directory.
+
+The run directory gets the resolved config (config.yaml), metrics as JSON lines (metrics.jsonl) and TensorBoard
+event files (tb/), and orbax checkpoints (checkpoints/). A run resumes from its latest checkpoint by default
+(params, optimizer state, step and the data iterator's position). A step with a non-finite loss stops the run
+with an error and never overwrites the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+from glm5_jax.checkpoint import Checkpointer
+from glm5_jax.config import ConfigError
+from glm5_jax.experiment import ExperimentConfig, load_experiment
+from glm5_jax.model.flops import training_flops_per_token
+from glm5_jax.model.transformer import init
+from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
+from glm5_jax.train.step import init_train_state, make_train_step
+from glm5_jax.train.tensorboard import SummaryWriter
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (non-finite loss, data exhausted, ...)."""
+
+
+def build_tokenizer(cfg: ExperimentConfig):
+    from glm5_jax.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer "
+                          f"{cfg.data.tokenizer!r} has {tokenizer.vocab_size} ids")
+    return tokenizer
+
+
+def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_offset: int = 0):
+    """(grain iterable of batches, stats dict) for the configured source."""
+    from glm5_jax.data.pretrain import pretrain_dataset, read_jsonl
+
+    data, train = cfg.data, cfg.train
+    seed = train.seed + seed_offset
+    if data.source in ("stdlib", "jsonl"):
+        if data.source == "stdlib":
+            from glm5_jax.data.corpus import stdlib_corpus
+
+            docs = stdlib_corpus(split, validation_fraction=data.validation_fraction,
+                                 max_files=data.max_files or None)
+        else:
+            docs = read_jsonl(list(data.paths))
+        dataset, stats = pretrain_dataset(docs, tokenizer, seq_len=train.seq_len, batch_size=train.batch_size,
+                                          seed=seed, shuffle=data.shuffle, vocab_size=cfg.model.vocab_size)
+        return dataset, stats.as_dict()
+    if data.source == "chat_jsonl":
+        from glm5_jax.data.chat import read_chat_jsonl, render_dataset
+        from glm5_jax.data.sft import sft_dataset
+
+        records = [r for path in data.paths for r in read_chat_jsonl(path)]
+        rendered = render_dataset(records, tokenizer, max_length=train.seq_len, clear_thinking=data.clear_thinking)
+        stats = {"records": len(records), "kept": len(rendered.examples), "dropped": rendered.drop_counts}
+        return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=train.batch_size, seed=seed,
+                           shuffle=data.shuffle), stats
+    raise ConfigError(f"data.source={data.source!r} is invalid for `glm5 train` in mode {train.mode!r}")
+
+
+def _to_host(metrics: dict) -> dict:
+    out = {}
+    for key, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        out[key] = float(value) if value.ndim == 0 else [round(float(v), 6) for v in value.ravel()]
+    return out
+
+
+def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, elapsed: float) -> str:
+    width = 24
+    done = int(width * step / total)
+    eta = elapsed / max(step, 1) * (total - step)
+    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} loss {metrics['loss']:.4f} "
+            f"tok/s {tokens_per_s:,.0f} eta {eta:,.0f}s")
+
+
+def evaluate(cfg: ExperimentConfig, params, tokenizer) -> float | None:
+    """Mean next-token loss on the validation split (stdlib corpus only)."""
+    if cfg.data.source != "stdlib" or cfg.data.validation_fraction == 0:
+        return None
+    from glm5_jax.train import losses
+    from glm5_jax.model.transformer import forward
+
+    dataset, _ = build_dataset(cfg, tokenizer, split="validation", seed_offset=1)
+
+    @jax.jit
+    def batch_loss(p, b):
+        out = forward(p, b["tokens"], config=cfg.model, positions=b["positions"], segment_ids=b["segment_ids"],
+                      return_logits=False, mtp_steps=0)
+        return losses.cross_entropy(out.hidden, p["lm_head"]["kernel"], b["tokens"], b["segment_ids"],
+                                    b["loss_mask"], cfg.train.vocab_chunk)
+
+    total, count = 0.0, 0.0
+    for index, batch in enumerate(dataset):
+        if index >= cfg.train.eval_batches:
+            break
+        s, c = batch_loss(params, batch)
+        total, count = total + float(s), count + float(c)
+    return total / max(count, 1.0)
+
+
+def load_params(run_dir: str | Path, like):
+    """The latest parameters saved under another run's directory (shapes checked against `like`)."""
+    with Checkpointer(Path(run_dir) / "checkpoints") as source:
+        return source.restore(like).params
+
+
+def run(cfg: ExperimentConfig, *, log=print) -> dict:
+    """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary."""
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
+                                                         sort_keys=False))
+    tokenizer = build_tokenizer(cfg)
+    dataset, data_stats = build_dataset(cfg, tokenizer)
+    log(f"data: {json.dumps(data_stats)}")
+
+    params = init(cfg.model, jax.random.key(cfg.train.seed))
+    if cfg.train.init_from:
+        params = load_params(cfg.train.init_from, params)
+        log(f"initialised parameters from {cfg.train.init_from}")
+    optimizer = make_optimizer(cfg.optim, params)
+    schedule = learning_rate_schedule(cfg.optim)
+    state = init_train_state(params, optimizer)
+    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule)
+    iterator = iter(dataset)
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
+                                max_to_keep=cfg.checkpoint.keep)
+    start = 0
+    if cfg.checkpoint.resume and checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(state.params, state.opt_state)
+        state = state._replace(step=jax.numpy.asarray(restored.step, jax.numpy.int32), params=restored.params,
+                               opt_state=restored.opt_state)
+        if restored.data_state is not None:
+            iterator.set_state(restored.data_state)
+        start = restored.step
+        log(f"resumed from step {start} in {checkpointer.directory}")
+
+    flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
+    writer = SummaryWriter(run_dir / "tb")
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    first_loss = last = None
+    t_start = time.perf_counter()
+    t_window, tokens_window = t_start, 0.0
+    try:
+        for step in range(start + 1, cfg.train.steps + 1):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise TrainingError(f"the dataset ran out of batches at step {step}") from None
+            state, metrics = step_fn(state, batch)
+            host = _to_host(metrics)
+            if not math.isfinite(host["loss"]):
+                raise TrainingError(f"non-finite loss {host['loss']} at step {step}; the last good checkpoint "
+                                    f"(step {checkpointer.latest_step()}) is kept")
+            tokens_window += host["tokens"]
+            first_loss = host["loss"] if first_loss is None else first_loss
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                now = time.perf_counter()
+                tokens_per_s = tokens_window / (now - t_window)
+                host["tokens_per_s"] = tokens_per_s
+                host["model_tflops_per_s"] = tokens_per_s * flops_per_token / 1e12
+                if cfg.train.peak_flops_per_device:
+                    host["mfu"] = tokens_per_s * flops_per_token / (cfg.train.peak_flops_per_device
+                                                                    * jax.device_count())
+                log(_progress(step, cfg.train.steps, host, tokens_per_s, now - t_start))
+                t_window, tokens_window = now, 0.0
+                writer.scalars(step, {k: v for k, v in host.items() if isinstance(v, float)})
+            metrics_file.write(json.dumps({"step": step, **host}) + "\n")
+            metrics_file.flush()
+            last = host
+            checkpointer.save_if_finite(step, loss=host["loss"], params=state.params, opt_state=state.opt_state,
+                                        data_state=iterator.get_state(), config=dataclasses.asdict(cfg),
+                                        force=step == cfg.train.steps)
+        checkpointer.wait_until_finished()
+        summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "resumed_from": start,
+                   "first_loss": first_loss, "final_loss": last and last["loss"],
+                   "eval_loss": evaluate(cfg, state.params, tokenizer) if cfg.train.mode in ("pretrain", "sft")
+                   else None, "seconds": round(time.perf_counter() - t_start, 1)}
+        log("summary: " + json.dumps(summary))
+        return summary
+    finally:
+        writer.close()
+        metrics_file.close()
+        checkpointer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="glm5 train", description="Run an experiment from a config file.")
+    parser.add_argument("config", help="experiment YAML (sections model/optim/train/data/checkpoint)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_experiment(args.config, args.overrides)
+        run(cfg)
+    except (ConfigError, TrainingError, ValueError) as err:
+        print(f"glm5 train: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`glm5 train`: resumable runs (2N == N + resume + N), metrics files, and clear failures."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from glm5_jax.checkpoint import Checkpointer, NonFiniteStateError
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.experiment import experiment_from_dict
+from glm5_jax.model.transformer import init
+from glm5_jax.train.runner import TrainingError, run
+from glm5_jax.train.tensorboard import read_scalars
+
+MODEL = dict(vocab_size=288, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+             v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2,
+             index_head_dim=8, index_topk=8, mtp_num_steps=1, compute_dtype="float32")
+NO_EVAL = {"validation_fraction": 0.0}
+
+
+def _config(run_dir, steps, data=None, **train):
+    return experiment_from_dict({
+        "model": MODEL,
+        "optim": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, "total_steps": 8},
+        "train": {"steps": steps, "batch_size": 2, "seq_len": 32, "log_every": 2, "vocab_chunk": 128,
+                  "run_dir": str(run_dir), "eval_batches": 1, **train},
+        "data": {"source": "stdlib", "max_files": 6, **(data or {})},
+        "checkpoint": {"every": 2, "keep": 2},
+    })
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(run_dir, like):
+    with Checkpointer(run_dir / "checkpoints") as ckpt:
+        return ckpt.restore(like).params
+
+
+def test_train_2n_equals_n_then_resume_n(tmp_path):
+    straight = tmp_path / "straight"
+    summary = run(_config(straight, 4, NO_EVAL), log=lambda _: None)
+    assert summary["final_loss"] < summary["first_loss"]
+    split = tmp_path / "split"
+    run(_config(split, 2, NO_EVAL), log=lambda _: None)
+    resumed = run(_config(split, 4, NO_EVAL), log=lambda _: None)
+    assert resumed["resumed_from"] == 2
+    np.testing.assert_array_equal(_losses(split), _losses(straight))
+    like = init(ModelConfig(**MODEL), jax.random.key(0))
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(_params(straight, like))[0],
+                            jax.tree.leaves(_params(split, like))):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    tags = {tag for _, tag, _ in read_scalars(next((straight / "tb").iterdir()))}
+    assert {"loss", "lm_loss", "tokens_per_s", "grad_norm"} <= tags
+
+
+def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
+    cfg = _config(tmp_path / "nan", 4, NO_EVAL)
+    # A learning rate this large overflows the parameters within a few steps.
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e30, min_lr=0.0, grad_clip_norm=0.0))
+    # Either the loss or (first) the parameters turn non-finite; both stop the run before a save.
+    with pytest.raises((TrainingError, NonFiniteStateError), match="not finite|non-finite"):
+        run(cfg, log=lambda _: None)
+    with Checkpointer(tmp_path / "nan" / "checkpoints") as ckpt:
+        steps = ckpt.all_steps()
+    losses = _losses(tmp_path / "nan")
+    assert all(np.isfinite(losses[s - 1]) for s in steps)  # only finite steps were ever saved
+
+
+def test_bad_experiment_configs_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="train.mode"):
+        _config(tmp_path, 2, mode="finetune")
+    with pytest.raises(ConfigError, match="data.paths.*file not found"):
+        experiment_from_dict({"model": MODEL, "data": {"source": "jsonl", "paths": [str(tmp_path / "none.jsonl")]}})
+    with pytest.raises(ConfigError, match="optim.trainable"):
+        _config(tmp_path, 2, mode="dsa_warmup")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": broken\n')
+    cfg = experiment_from_dict({"model": MODEL, "data": {"source": "jsonl", "paths": [str(bad)]},
+                                "train": {"run_dir": str(tmp_path / "r"), "batch_size": 2, "seq_len": 16}})
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        run(cfg, log=lambda _: None)

@@ -75,6 +75,10 @@ class ModelConfig:
     # JAX-side choices.
     attention_backend: str = "sparse"
     moe_backend: str = "ragged"
+    # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each
+    # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.
+    moe_capacity_factor: float = 0.0
+    ep_transport: str = "auto"  # "padded" all-to-all (portable, CPU) | "ragged" (ragged_all_to_all) | "auto"
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat_policy: str = "none"
@@ -168,7 +172,10 @@ class ModelConfig:
                 _fail("indexer_types", bad[0], f"entries must be one of {INDEXER_TYPES}")
             if types[0] != "full":
                 _fail("indexer_types[0]", types[0], "the first layer has no earlier top-k to share: use 'full'")
+        if self.moe_capacity_factor < 0:
+            _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS),
+                              ("ep_transport", ("auto", "padded", "ragged")),
                               ("remat_policy", REMAT_POLICIES), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES)):
             if getattr(self, name) not in allowed:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ConfigError, ModelConfig, TrainConfig, from_dict

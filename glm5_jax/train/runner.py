@@ -70,7 +70,29 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
         stats = {"records": len(records), "kept": len(rendered.examples), "dropped": rendered.drop_counts}
         return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=train.batch_size, seed=seed,
                            shuffle=data.shuffle), stats
+    if data.source == "rollouts":
+        return rollout_batches(cfg, seed)
     raise ConfigError(f"data.source={data.source!r} is invalid for `glm5 train` in mode {train.mode!r}")
+
+
+def rollout_batches(cfg: ExperimentConfig, seed: int):
+    """RL batches from stored rollout records: validated (errors name the rollout), filtered (stale, failed,
+    broken groups; every drop counted), advantages over whole groups, then fixed-shape batches."""
+    from glm5_jax.data.rollouts import filter_and_pad, read_rollouts, rollout_dataset, validate_records
+    from glm5_jax.train.rl_step import rl_step_config_from_dict
+
+    if cfg.train.mode != "rl":
+        raise ConfigError(f"data.source='rollouts' is invalid for train.mode={cfg.train.mode!r}: use mode rl")
+    rl = rl_step_config_from_dict(cfg.rl)
+    records = [r for path in cfg.data.paths for r in read_rollouts(path)]
+    validate_records(records, vocab_size=cfg.model.vocab_size)
+    current = max(max(r.weight_versions) for r in records)
+    kept, counts = filter_and_pad(records, current_version=current, max_staleness=rl.objective.max_staleness)
+    dataset = rollout_dataset(kept, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                              config=rl.objective)
+    if cfg.data.shuffle:
+        dataset = dataset.shuffle(seed=seed)
+    return dataset.repeat(None).to_iter_dataset(), {"records": len(records), "kept": len(kept), **counts}
 
 
 def _to_host(metrics: dict) -> dict:
@@ -134,10 +156,16 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
     if cfg.train.init_from:
         params = load_params(cfg.train.init_from, params)
         log(f"initialised parameters from {cfg.train.init_from}")
-    optimizer = make_optimizer(cfg.optim, params)
-    schedule = learning_rate_schedule(cfg.optim)
+    optim_config, rl_config = cfg.optim, None
+    if cfg.train.mode == "rl":
+        from glm5_jax.train.rl_step import rl_optim_config, rl_step_config_from_dict
+
+        rl_config = rl_step_config_from_dict(cfg.rl)
+        optim_config = rl_optim_config(cfg.optim, rl_config)  # the DSA indexer is frozen in RL by default
+    optimizer = make_optimizer(optim_config, params)
+    schedule = learning_rate_schedule(optim_config)
     state = init_train_state(params, optimizer)
-    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule)
+    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config)
     iterator = iter(dataset)
 
     checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,

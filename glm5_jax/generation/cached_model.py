@@ -5,7 +5,9 @@ It reuses the model's own pieces (`attention.project`, the indexer's queries/key
 `swiglu`, `rms_norm`), so cached decoding computes what `transformer.forward` computes on the whole
 sequence; what changes is where keys come from. Each layer writes its new rows into the cache first, then
 the indexer scores the new queries against every cached indexer key up to the query's position (DSA top-k
-over the cache), and attention runs in the absorbed form over the selected cached latent rows only.
+over the cache), and attention runs in the absorbed form over the selected cached latent rows only: the
+Pallas kernel when `attention_backend` is "pallas", else the jnp gather (the "dense" training reference
+decodes in the absorbed form too; the two forms are equal).
 """
 
 from __future__ import annotations
@@ -31,12 +33,11 @@ class NewTokens(NamedTuple):
     token_mask: jax.Array  # [B, S] bool: real tokens (padding and finished rows only feed MoE counts)
     cos: jax.Array         # [B, S, R/2]
     sin: jax.Array
-    visible: jax.Array     # [B, S, T] cache slots each query may see
 
 
-def new_tokens(positions: jax.Array, token_mask: jax.Array, max_len: int, config: ModelConfig) -> NewTokens:
+def new_tokens(positions: jax.Array, token_mask: jax.Array, config: ModelConfig) -> NewTokens:
     cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
-    return NewTokens(positions, token_mask, cos, sin, visible_slots(positions, max_len))
+    return NewTokens(positions, token_mask, cos, sin)
 
 
 def num_selected(config: ModelConfig, max_len: int) -> int:
@@ -44,20 +45,37 @@ def num_selected(config: ModelConfig, max_len: int) -> int:
     return min(config.index_topk, max_len)
 
 
+def _topk_over_cache(q: jax.Array, weights: jax.Array, positions: jax.Array, keys: jax.Array,
+                     topk: int) -> jax.Array:
+    """Top-k cached keys [B, S, N] for indexer queries at `positions` [B, S] (keys [B, T, J])."""
+    b, s = positions.shape
+    max_len = keys.shape[1]
+    # Causality comes from the per-row positions; the model's own mask (one offset for all rows) is off.
+    one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
+    scores = indexer.index_scores(q, keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
+    scores = jnp.where(visible_slots(positions, max_len), scores, MASK_VALUE)
+    return indexer.topk_from_scores(scores, topk)
+
+
 def _cached_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, new: NewTokens, index_keys: jax.Array,
                  slot: jax.Array | int, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Write this layer's indexer keys, score the new queries against the whole key cache, keep the top-k."""
+    """Write this layer's indexer keys, score the new queries against the whole key cache, keep the top-k.
+    With `index_query_chunk` (as in the model's forward) a long prefill holds one [B, chunk, T] score block
+    at a time."""
     q, weights = indexer.indexer_queries(indexer_params, q_resid, h, new.cos, new.sin, config)
     keys = indexer.indexer_keys(indexer_params, h, new.cos, new.sin, config)
     index_keys = write_rows(index_keys, slot, keys, new.positions)
     cached_keys = index_keys[slot]
-    b, s = new.positions.shape
-    max_len = cached_keys.shape[1]
-    # Causality comes from `new.visible` (per-row positions); the model's own mask is switched off here.
-    one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
-    scores = indexer.index_scores(q, cached_keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
-    scores = jnp.where(new.visible, scores, MASK_VALUE)
-    return indexer.topk_from_scores(scores, config.index_topk), index_keys
+    s, chunk = q.shape[1], config.index_query_chunk
+    if chunk <= 0 or chunk >= s or s % chunk:
+        return _topk_over_cache(q, weights, new.positions, cached_keys, config.index_topk), index_keys
+
+    def split(a):
+        return jnp.moveaxis(a.reshape(a.shape[0], s // chunk, chunk, *a.shape[2:]), 1, 0)
+
+    blocks = jax.lax.map(lambda args: _topk_over_cache(*args, cached_keys, config.index_topk),
+                         (split(q), split(weights), split(new.positions)))
+    return jnp.moveaxis(blocks, 0, 1).reshape(q.shape[0], s, -1), index_keys
 
 
 def cached_layer(layer: dict, indexer_params: dict, x: jax.Array, new: NewTokens, cache: KVCache,
@@ -80,8 +98,14 @@ def cached_layer(layer: dict, indexer_params: dict, x: jax.Array, new: NewTokens
     else:
         topk, index_keys = jax.lax.cond(run_indexer, own_topk, lambda keys: (prev_topk, keys), cache.index_keys)
     q = attention.absorbed_queries(layer["attn"], proj, config)
-    latent_out, _ = attention.sparse_latent_attention(q, latent[layer_id], topk, config.softmax_scale,
-                                                      config.kv_lora_rank)
+    if config.attention_backend == "pallas":
+        from pallas_kernels import sparse_mla_attention
+
+        latent_out, _ = sparse_mla_attention(q, latent[layer_id], topk, scale=config.softmax_scale,
+                                             kv_lora_rank=config.kv_lora_rank)
+    else:
+        latent_out, _ = attention.sparse_latent_attention(q, latent[layer_id], topk, config.softmax_scale,
+                                                          config.kv_lora_rank)
     heads = attention.latent_to_heads(layer["attn"], latent_out, config)
     x = x + attention.output_projection(layer["attn"], heads)
     h = rms_norm(x, layer["post_attn_norm"]["scale"], eps)

@@ -6,7 +6,9 @@ place). The host loop only checks the per-row done flags; every shape is static 
 What each generated token comes with: its id, the logprob recorded for the trainer (see
 `generation.sampling`), optionally the raw logits that produced it, and, with `collect_routing`, the
 expert choices of every MoE layer and the indexer top-k of every layer at every position fed to the model
-(prompt and generated), laid out by absolute position for routing replay.
+(prompt and generated), laid out by absolute position for routing replay. The indexer record has
+N = min(index_topk, max_len) slots per position, -1 marking empty ones; `forward(topk_indices=...)` replays
+it when the training sequence length is also >= index_topk (or both are below it and equal).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import KVCache, model_cache
 from glm5_jax.generation.cached_model import CachedOutput, cached_forward, new_tokens, num_selected
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
-from glm5_jax.generation.sampling import (SamplingMode, SamplingParams, SamplingValues, is_eos, recorded_logprobs,
-                                          sample_tokens, split_sampling)
+from glm5_jax.generation.sampling import (SamplingParams, SamplingValues, is_eos, recorded_logprobs, sample_tokens,
+                                          split_sampling)
 from glm5_jax.model.transformer import dtype_of, lm_head_logits
 
 
@@ -116,22 +118,25 @@ def _empty_outputs(batch: int, max_new_tokens: int, max_len: int, config: ModelC
     return out, routing
 
 
-def prefill_state(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-                  values: SamplingValues, *, config: ModelConfig, mode: SamplingMode, max_len: int,
+@functools.partial(jax.jit, static_argnames=("config", "nucleus", "max_len", "max_new_tokens", "collect_routing",
+                                             "return_logits"))
+def prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+                  values: SamplingValues, *, config: ModelConfig, nucleus: bool, max_len: int,
                   max_new_tokens: int, collect_routing: bool, return_logits: bool) -> tuple[DecodeState, jax.Array]:
     """Run the prompts [B, P] through the model into a fresh cache and emit each row's first token.
 
-    Returns the state and the final normed hidden states of the prompt positions [B, P, D]."""
+    Returns the state and the final normed hidden states of the prompt positions [B, P, D] (what MTP
+    drafting starts from)."""
     b, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     real = positions < prompt_lengths[:, None]
     cache = model_cache(config, b, max_len, dtype_of(config.compute_dtype))
-    result = cached_forward(params, cache, prompts, new_tokens(positions, real, max_len, config), config,
+    result = cached_forward(params, cache, prompts, new_tokens(positions, real, config), config,
                             collect_routing)
     last = jnp.take_along_axis(result.hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = lm_head_logits(params, last)
     key, sample_key = jax.random.split(key)
-    token = sample_tokens(sample_key, logits[:, 0], mode, values)
+    token = sample_tokens(sample_key, logits[:, 0], values, nucleus)
     logprob = recorded_logprobs(last, params["lm_head"]["kernel"], token[:, None], values)
     out, routing = _empty_outputs(b, max_new_tokens, max_len, config, collect_routing, return_logits)
     routing = record_routing(routing, result, jnp.where(real, positions, max_len), jnp.ones((b,), bool))
@@ -140,23 +145,18 @@ def prefill_state(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, k
     return state, result.hidden
 
 
-prefill = jax.jit(prefill_state, static_argnames=("config", "mode", "max_len", "max_new_tokens", "collect_routing",
-                                                  "return_logits"))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "mode"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "nucleus"), donate_argnames=("state",))
 def decode_step(params: dict, state: DecodeState, values: SamplingValues, *, config: ModelConfig,
-                mode: SamplingMode) -> DecodeState:
+                nucleus: bool) -> DecodeState:
     """Feed every unfinished row's newest token at its position, sample the next one."""
     active = ~state.out.done
-    max_len = state.cache.latent.shape[2]
     positions = state.length[:, None]
     result = cached_forward(params, state.cache, state.next_token[:, None],
-                            new_tokens(positions, active[:, None], max_len, config), config,
+                            new_tokens(positions, active[:, None], config), config,
                             state.routing is not None)
     logits = lm_head_logits(params, result.hidden)
     key, sample_key = jax.random.split(state.key)
-    token = sample_tokens(sample_key, logits[:, 0], mode, values)
+    token = sample_tokens(sample_key, logits[:, 0], values, nucleus)
     logprob = recorded_logprobs(result.hidden, params["lm_head"]["kernel"], token[:, None], values)
     out = emit(state.out, token[:, None], logprob, jnp.ones_like(state.length), values, logits)
     return DecodeState(
@@ -212,21 +212,22 @@ def generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelCon
              collect_routing: bool = False, return_logits: bool = False) -> GenerationOutput:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
-    `max_len` fixes the cache length (default: longest prompt + max_new_tokens); keep it fixed across calls
-    to reuse the compiled steps. `collect_routing` records expert choices and indexer top-k for routing
-    replay; `return_logits` keeps the [B, M, V] logits of every step (tests, debugging)."""
+    `rng` is the sampling key (default `jax.random.key(0)`). `max_len` fixes the cache length (default:
+    longest prompt + max_new_tokens); keep it fixed across calls to reuse the compiled steps.
+    `collect_routing` records expert choices and indexer top-k for routing replay; `return_logits` keeps the
+    [B, M, V] logits of every step (tests, debugging)."""
     check_model(params, config, needs_mtp=False)
     sampling = sampling.validate(config.vocab_size)
     padded, lengths = padded_prompts(prompts, config.vocab_size)
     max_len = resolve_max_len(max_len, lengths, sampling, 0, config)
-    mode, values = split_sampling(sampling)
+    nucleus, values = split_sampling(sampling)
     rng = jax.random.key(0) if rng is None else rng
-    state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config, mode=mode,
+    state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config, nucleus=nucleus,
                     max_len=max_len, max_new_tokens=sampling.max_new_tokens, collect_routing=collect_routing,
                     return_logits=return_logits)[0]
     # Every step emits a token for each unfinished row, so at most max_new_tokens - 1 steps follow prefill.
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.out.done.all()):
             break
-        state = decode_step(params, state, values, config=config, mode=mode)
+        state = decode_step(params, state, values, config=config, nucleus=nucleus)
     return host_output(padded, lengths, state.out, state.routing, sampling)

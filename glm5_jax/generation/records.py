@@ -17,6 +17,8 @@ from glm5_jax.generation.sampling import GenerationError
 
 
 def _per_row(name: str, value, batch: int) -> list:
+    if isinstance(value, np.ndarray) and value.ndim:
+        value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return [value] * batch
     if len(value) != batch:

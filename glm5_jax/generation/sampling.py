@@ -62,36 +62,34 @@ class SamplingParams:
         return 1.0 if self.greedy else float(self.temperature)
 
 
-class SamplingMode(NamedTuple):
-    """The static part of the sampling parameters: it decides what a jitted step computes."""
-
-    greedy: bool
-    nucleus: bool  # top_p < 1
-
-
 class SamplingValues(NamedTuple):
-    """The traced part: changing these values does not recompile."""
+    """The traced sampling parameters: switching between greedy and sampled decoding, or changing the
+    temperature, top_p or EOS ids, reuses the compiled steps. Only `nucleus` (top_p < 1, which adds a sort
+    over the vocabulary) is static."""
 
+    greedy: jax.Array       # bool scalar
     temperature: jax.Array  # f32 scalar, the logprob temperature (1 for greedy)
     top_p: jax.Array        # f32 scalar
     eos_ids: jax.Array      # [E] int32, -1 pads (E >= 1)
 
 
-def split_sampling(sampling: SamplingParams) -> tuple[SamplingMode, SamplingValues]:
-    mode = SamplingMode(greedy=sampling.greedy, nucleus=(not sampling.greedy) and sampling.top_p < 1)
-    values = SamplingValues(temperature=jnp.float32(sampling.logprob_temperature),
+def split_sampling(sampling: SamplingParams) -> tuple[bool, SamplingValues]:
+    """(nucleus, values): the static flag and the traced values of `sampling`."""
+    nucleus = (not sampling.greedy) and sampling.top_p < 1
+    values = SamplingValues(greedy=jnp.asarray(sampling.greedy),
+                            temperature=jnp.float32(sampling.logprob_temperature),
                             top_p=jnp.float32(sampling.top_p),
                             eos_ids=jnp.asarray(tuple(sampling.eos_ids) or (-1,), jnp.int32))
-    return mode, values
+    return nucleus, values
 
 
-def processed_logits(logits: jax.Array, mode: SamplingMode, values: SamplingValues) -> jax.Array:
+def processed_logits(logits: jax.Array, values: SamplingValues, nucleus: bool) -> jax.Array:
     """logits / temperature, with tokens outside the top-p nucleus at -inf (fp32, [..., V]).
 
     The nucleus is the smallest set of most likely tokens whose mass reaches top_p (the most likely token is
     always in it); tokens tied with the least likely member are kept too."""
     scaled = logits.astype(jnp.float32) / values.temperature
-    if not mode.nucleus:
+    if not nucleus:
         return scaled
     probs = jax.nn.softmax(scaled, axis=-1)
     descending = -jnp.sort(-probs, axis=-1)
@@ -100,18 +98,16 @@ def processed_logits(logits: jax.Array, mode: SamplingMode, values: SamplingValu
     return jnp.where(probs >= threshold, scaled, -jnp.inf)
 
 
-def sample_tokens(key: jax.Array, logits: jax.Array, mode: SamplingMode, values: SamplingValues) -> jax.Array:
-    """int32 token ids [...] drawn from logits [..., V] (argmax when greedy)."""
-    if mode.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, processed_logits(logits, mode, values), axis=-1).astype(jnp.int32)
+def sample_tokens(key: jax.Array, logits: jax.Array, values: SamplingValues, nucleus: bool) -> jax.Array:
+    """int32 token ids [...] drawn from logits [..., V] (the argmax when greedy)."""
+    sampled = jax.random.categorical(key, processed_logits(logits, values, nucleus), axis=-1)
+    return jnp.where(values.greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
 
-def sampling_probs(logits: jax.Array, mode: SamplingMode, values: SamplingValues) -> jax.Array:
+def sampling_probs(logits: jax.Array, values: SamplingValues, nucleus: bool) -> jax.Array:
     """The distribution `sample_tokens` draws from, [..., V] fp32 (one-hot at the argmax when greedy)."""
-    if mode.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(processed_logits(logits, mode, values), axis=-1)
+    argmax = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(values.greedy, argmax, jax.nn.softmax(processed_logits(logits, values, nucleus), axis=-1))
 
 
 def recorded_logprobs(hidden: jax.Array, lm_head_kernel: jax.Array, tokens: jax.Array,

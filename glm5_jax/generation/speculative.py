@@ -35,11 +35,10 @@ import numpy as np
 from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import KVCache, mtp_cache
 from glm5_jax.generation.cached_model import cached_forward, cached_mtp, new_tokens
-from glm5_jax.generation.decode import (DecodeState, GenerationOutput, emit, host_output, prefill_state,
-                                        record_routing)
+from glm5_jax.generation.decode import DecodeState, GenerationOutput, emit, host_output, prefill, record_routing
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
-from glm5_jax.generation.sampling import (GenerationError, SamplingMode, SamplingParams, SamplingValues,
-                                          recorded_logprobs, sample_tokens, sampling_probs, split_sampling)
+from glm5_jax.generation.sampling import (GenerationError, SamplingParams, SamplingValues, recorded_logprobs,
+                                          sample_tokens, sampling_probs, split_sampling)
 from glm5_jax.model.transformer import dtype_of, lm_head_logits
 
 
@@ -53,19 +52,19 @@ class SpeculativeState(NamedTuple):
 
 
 def accept_drafts(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
-                  mode: SamplingMode, values: SamplingValues) -> tuple[jax.Array, jax.Array]:
+                  values: SamplingValues, nucleus: bool) -> tuple[jax.Array, jax.Array]:
     """The speculative-sampling rule. drafts [B, K] drawn from draft_logits [B, K, V]; target_logits
     [B, K + 1, V] of the main model at the positions before each draft and after the last one.
 
     Returns (accepted drafts a [B], the token that follows them [B])."""
     k = drafts.shape[1]
-    if mode.greedy:
-        choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
-        accepted = jnp.cumprod(drafts == choice[:, :k], axis=-1).sum(-1)
-        return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
+    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
+    greedy_accepted = jnp.cumprod(drafts == choice[:, :k], axis=-1).sum(-1)
+    greedy_next = jnp.take_along_axis(choice, greedy_accepted[:, None], axis=1)[:, 0]
+
     uniform_key, residual_key = jax.random.split(key)
-    p = sampling_probs(target_logits, mode, values)  # [B, K + 1, V]
-    q = sampling_probs(draft_logits, mode, values)   # [B, K, V]
+    p = sampling_probs(target_logits, values, nucleus)  # [B, K + 1, V]
+    q = sampling_probs(draft_logits, values, nucleus)   # [B, K, V]
     p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     # u < min(1, p/q) written without the division (q > 0 for a token drawn from q).
@@ -77,7 +76,9 @@ def accept_drafts(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, ta
     residual = jnp.maximum(p_next - q_next, 0.0)
     # A rejection implies p != q, so the residual has mass; the fallback only guards rounding.
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
-    return accepted, jax.random.categorical(residual_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    sampled_next = jax.random.categorical(residual_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return (jnp.where(values.greedy, greedy_accepted, accepted),
+            jnp.where(values.greedy, greedy_next, sampled_next))
 
 
 def mean_acceptance_length(accepted: np.ndarray, verify_steps: np.ndarray) -> float:
@@ -90,27 +91,21 @@ def _extend_mtp(params: dict, cache: KVCache, tokens: jax.Array, hidden: jax.Arr
                 count: jax.Array, active: jax.Array, config: ModelConfig) -> tuple[KVCache, jax.Array, jax.Array]:
     """Write the depth-1 entries (tokens[:, i], hidden[:, i]) at positions[:, i] for i < count; return the
     cache and the MTP output (raw hidden [B, D], logits [B, V]) of each row's last new entry."""
-    max_len = cache.latent.shape[2]
     real = (jnp.arange(tokens.shape[1])[None, :] < count[:, None]) & active[:, None]
-    raw, normed, cache = cached_mtp(params, cache, tokens, hidden, new_tokens(positions, real, max_len, config),
-                                    config)
+    raw, normed, cache = cached_mtp(params, cache, tokens, hidden, new_tokens(positions, real, config), config)
     last = (count - 1)[:, None, None]
     raw_last = jnp.take_along_axis(raw, last, axis=1)[:, 0]
     logits = lm_head_logits(params, jnp.take_along_axis(normed, last, axis=1))[:, 0]
     return cache, raw_last, logits
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mode", "max_len", "max_new_tokens", "collect_routing",
-                                             "return_logits"))
-def speculative_prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
-                        values: SamplingValues, *, config: ModelConfig, mode: SamplingMode, max_len: int,
-                        max_new_tokens: int, collect_routing: bool, return_logits: bool) -> SpeculativeState:
-    """Prefill the main cache, emit the first token x, and fill the MTP cache with the prompt's depth-1
-    entries (t_{j+1}, h_0[j]), x standing in for t_P at the last prompt position."""
-    state, hidden = prefill_state(params, prompts, prompt_lengths, key, values, config=config, mode=mode,
-                                  max_len=max_len, max_new_tokens=max_new_tokens, collect_routing=collect_routing,
-                                  return_logits=return_logits)
+@functools.partial(jax.jit, static_argnames=("config",))
+def mtp_prefill(params: dict, state: DecodeState, hidden: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
+                *, config: ModelConfig) -> SpeculativeState:
+    """After the main prefill (state, prompt hidden states [B, P, D]): fill the MTP cache with the prompt's
+    depth-1 entries (t_{j+1}, h_0[j]), the first emitted token standing in for t_P at the last position."""
     b, p = prompts.shape
+    max_len = state.cache.latent.shape[2]
     shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), prompts.dtype)], axis=1)
     shifted = shifted.at[jnp.arange(b), prompt_lengths - 1].set(state.next_token)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -121,25 +116,24 @@ def speculative_prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Ar
     return SpeculativeState(state, cache, mtp_hidden, mtp_logits, zeros, zeros)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mode", "num_draft"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "nucleus", "num_draft"), donate_argnames=("state",))
 def speculative_step(params: dict, state: SpeculativeState, values: SamplingValues, *, config: ModelConfig,
-                     mode: SamplingMode, num_draft: int) -> SpeculativeState:
+                     nucleus: bool, num_draft: int) -> SpeculativeState:
     """Draft `num_draft` tokens with the MTP module, verify them in one main-model forward, accept a prefix."""
     decode = state.decode
     active = ~decode.out.done
     n = decode.length
-    max_len = decode.cache.latent.shape[2]
     key, draft_key, accept_key = jax.random.split(decode.key, 3)
     draft_keys = jax.random.split(draft_key, num_draft)
 
     drafts, draft_logits = [], []
     cache, hidden, logits = state.mtp_cache, state.mtp_hidden, state.mtp_logits
     for depth in range(num_draft):
-        token = sample_tokens(draft_keys[depth], logits, mode, values)
+        token = sample_tokens(draft_keys[depth], logits, values, nucleus)
         drafts.append(token)
         draft_logits.append(logits)
         if depth + 1 < num_draft:
-            new = new_tokens((n + depth)[:, None], active[:, None], max_len, config)
+            new = new_tokens((n + depth)[:, None], active[:, None], config)
             raw, normed, cache = cached_mtp(params, cache, token[:, None], hidden[:, None], new, config)
             hidden, logits = raw[:, 0], lm_head_logits(params, normed)[:, 0]
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
@@ -147,11 +141,11 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
     fed = jnp.concatenate([decode.next_token[:, None], drafts], axis=1)  # [B, K + 1]
     positions = n[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
     verify = cached_forward(params, decode.cache, fed,
-                            new_tokens(positions, jnp.broadcast_to(active[:, None], fed.shape), max_len, config),
+                            new_tokens(positions, jnp.broadcast_to(active[:, None], fed.shape), config),
                             config, decode.routing is not None)
     target_logits = lm_head_logits(params, verify.hidden)
-    accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits, mode,
-                                         values)
+    accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits,
+                                         values, nucleus)
     index = jnp.arange(num_draft + 1)[None, :]
     emitted = jnp.where(index < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
     logprobs = recorded_logprobs(verify.hidden, params["lm_head"]["kernel"], emitted, values)
@@ -178,26 +172,30 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
 
 
 def speculative_generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelConfig,
-                         sampling: SamplingParams = SamplingParams(), num_draft: int = 3,
+                         sampling: SamplingParams = SamplingParams(), num_draft: int | None = None,
                          rng: jax.Array | None = None, max_len: int | None = None, collect_routing: bool = False,
                          return_logits: bool = False) -> GenerationOutput:
-    """`generate` with MTP drafting of `num_draft` tokens per main-model forward; same outputs (tokens,
-    logprobs, routing) plus `acceptance_length`. `max_len` must leave `num_draft` slots of lookahead
-    (default: longest prompt + max_new_tokens + num_draft)."""
+    """`generate` with MTP drafting of `num_draft` tokens per main-model forward (default: the depth the
+    shared MTP module was trained with, `config.mtp_num_steps`); same outputs (tokens, logprobs, routing)
+    plus `acceptance_length`. `max_len` must leave `num_draft` slots of lookahead (default: longest prompt +
+    max_new_tokens + num_draft)."""
     check_model(params, config, needs_mtp=True)
+    num_draft = config.mtp_num_steps if num_draft is None else num_draft
     if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
         raise GenerationError(f"num_draft={num_draft!r} is invalid: must be an integer >= 1")
     sampling = sampling.validate(config.vocab_size)
     padded, lengths = padded_prompts(prompts, config.vocab_size)
     max_len = resolve_max_len(max_len, lengths, sampling, num_draft, config)
-    mode, values = split_sampling(sampling)
+    nucleus, values = split_sampling(sampling)
     rng = jax.random.key(0) if rng is None else rng
-    state = speculative_prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config,
-                                mode=mode, max_len=max_len, max_new_tokens=sampling.max_new_tokens,
-                                collect_routing=collect_routing, return_logits=return_logits)
+    prompts_array, lengths_array = jnp.asarray(padded), jnp.asarray(lengths)
+    decode, hidden = prefill(params, prompts_array, lengths_array, rng, values, config=config, nucleus=nucleus,
+                             max_len=max_len, max_new_tokens=sampling.max_new_tokens,
+                             collect_routing=collect_routing, return_logits=return_logits)
+    state = mtp_prefill(params, decode, hidden, prompts_array, lengths_array, config=config)
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.decode.out.done.all()):
             break
-        state = speculative_step(params, state, values, config=config, mode=mode, num_draft=num_draft)
+        state = speculative_step(params, state, values, config=config, nucleus=nucleus, num_draft=num_draft)
     acceptance = mean_acceptance_length(np.asarray(state.accepted), np.asarray(state.verify_steps))
     return host_output(padded, lengths, state.decode.out, state.decode.routing, sampling, acceptance)

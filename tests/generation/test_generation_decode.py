@@ -10,7 +10,7 @@ import pytest
 from generation_setup import (CONFIG, GREEDY, MAX_NEW, PROMPTS, SHARED_CONFIG, assert_on_policy, reference_forward,
                               run_greedy, trainer_logprobs)
 
-from glm5_jax.generation import GenerationError, SamplingParams, generate, speculative_generate, to_rollout_records
+from glm5_jax.generation import GenerationError, SamplingParams, generate, to_rollout_records
 from glm5_jax.generation.sampling import processed_logits, split_sampling
 
 
@@ -50,18 +50,23 @@ def test_sampled_logprobs_equal_trainer_logprobs(params, greedy_output):
     output = run_greedy(params, CONFIG, sampling=sampling, rng=jax.random.key(3))
     assert output.temperature == 0.7
     assert not np.array_equal(output.tokens, greedy_output.tokens)
-    logp, batch = assert_on_policy(params, output)
+    _, batch = assert_on_policy(params, output)
     # The recorded numbers are at the sampling temperature, not at 1.
     logp_t1, _, _ = trainer_logprobs(params, to_rollout_records(
         output, rollout_ids=["r0", "r1"], group_ids="g", rewards=[1.0, 0.0], weight_versions=4), temperature=1.0)
     mask = batch["loss_mask"] > 0
     assert np.abs(logp_t1[mask] - batch["rollout_logprobs"][mask]).max() > 1e-2
-    # Every sampled token lies inside the top-p nucleus of the logits that produced it.
-    mode, values = split_sampling(sampling)
-    processed = np.asarray(processed_logits(jnp.asarray(output.logits), mode, values))
-    chosen = np.take_along_axis(processed, output.tokens[..., None], -1)
+    # Every sampled token lies inside the top-p nucleus of the logits that produced it ...
+    nucleus, values = split_sampling(sampling)
+    processed = processed_logits(jnp.asarray(output.logits), values, nucleus)
+    chosen = np.take_along_axis(np.asarray(processed), output.tokens[..., None], -1)[..., 0]
     assert np.isfinite(chosen).all()
-    assert np.isinf(processed).any()  # the nucleus did cut tokens
+    # ... but its recorded logprob is under the temperature-scaled distribution before truncation.
+    def logprob_of_tokens(logits):
+        return np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), output.tokens[..., None], -1)[..., 0]
+
+    np.testing.assert_allclose(output.logprobs, logprob_of_tokens(jnp.asarray(output.logits) / 0.7), atol=1e-5)
+    assert (logprob_of_tokens(processed) - output.logprobs > 1e-3).any()  # the nucleus did cut mass
 
 
 def test_greedy_logprobs_are_temperature_one_and_on_policy(params, greedy_output):
@@ -74,8 +79,8 @@ def test_nucleus_keeps_smallest_set_reaching_top_p():
     # [0.0068, 0.6849, 0.0616, 0.2466].
     logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
     for top_p, kept in ((0.6, [1]), (0.9, [1, 3]), (0.95, [1, 2, 3]), (1.0, [0, 1, 2, 3])):
-        mode, values = split_sampling(SamplingParams(temperature=0.5, top_p=top_p))
-        out = np.asarray(processed_logits(logits, mode, values))[0]
+        nucleus, values = split_sampling(SamplingParams(temperature=0.5, top_p=top_p))
+        out = np.asarray(processed_logits(logits, values, nucleus))[0]
         np.testing.assert_array_equal(np.flatnonzero(np.isfinite(out)), kept)
         np.testing.assert_allclose(out[kept], np.asarray(logits)[0, kept] / 0.5, rtol=1e-6)
 
@@ -92,11 +97,14 @@ def test_eos_stops_only_its_row(params, greedy_output):
     np.testing.assert_array_equal(output.tokens[1, : step + 1], tokens[1, : step + 1])
     assert output.mask[1].tolist() == [True] * (step + 1) + [False] * (MAX_NEW - step - 1)
     assert (output.tokens[1, step + 1:] == 0).all() and (output.logprobs[1, step + 1:] == 0).all()
-    record = to_rollout_records(output, rollout_ids=["a", "b"], group_ids=["g0", "g1"], rewards=[0.0, 1.0],
-                                weight_versions=[(1,), (1, 2)])[1]
+    record = to_rollout_records(output, rollout_ids=["a", "b"], group_ids=["g0", "g1"],
+                                rewards=np.array([0.0, 1.0]), weight_versions=[(1,), (1, 2)])[1]
     assert record.response_ids.tolist() == tokens[1, : step + 1].tolist() and record.response_ids[-1] == eos
+    assert record.prompt_ids.tolist() == PROMPTS[1] and record.loss_mask.tolist() == [1] * (step + 1)
     assert record.indexer_topk.shape == (CONFIG.num_hidden_layers, len(PROMPTS[1]) + step, CONFIG.index_topk)
-    assert record.weight_versions == (1, 2)
+    assert (record.reward, record.group_id, record.weight_versions) == (1.0, "g1", (1, 2))
+    with pytest.raises(GenerationError, match=r"rewards has 3 entries; expected one per generated row \(2\)"):
+        to_rollout_records(output, rollout_ids=["a", "b"], group_ids="g", rewards=[0, 1, 2], weight_versions=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -113,11 +121,3 @@ def test_bad_input_is_rejected_before_compiling(params, kwargs, message):
     with pytest.raises(GenerationError, match=message):
         generate(params, kwargs.pop("prompts"), config=CONFIG, **kwargs)
 
-
-def test_speculative_input_checks(params):
-    with pytest.raises(GenerationError, match=r"num_draft=0 is invalid"):
-        speculative_generate(params, PROMPTS, config=CONFIG, num_draft=0)
-    with pytest.raises(GenerationError, match=r"params has no 'mtp' module"):
-        speculative_generate({k: v for k, v in params.items() if k != "mtp"}, PROMPTS, config=CONFIG)
-    with pytest.raises(GenerationError, match=r"max_len=16 is invalid: .* \+ num_draft \(2\) = 17"):
-        speculative_generate(params, PROMPTS, config=CONFIG, sampling=GREEDY, num_draft=2, max_len=16)

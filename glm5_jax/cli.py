@@ -23,17 +23,21 @@ def _cmd_params(args) -> int:
     return 0
 
 
+SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMAND_MODULES:  # these parse their own arguments (and --help)
+        return __import__(SUBCOMMAND_MODULES[argv[0]], fromlist=["main"]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="glm5", description="GLM-5 in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("params", help="parameter counts of a config, from shapes only (no weights allocated)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides of model fields")
     p.set_defaults(func=_cmd_params)
-    for name, module in (("train", "glm5_jax.train.runner"), ("plan", "glm5_jax.parallel.plan")):
-        sp = sub.add_parser(name, help=f"see `glm5 {name} --help`", add_help=False)
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(func=lambda a, m=module: __import__(m, fromlist=["main"]).main(a.rest))
+    for name in SUBCOMMAND_MODULES:
+        sub.add_parser(name, help=f"see `glm5 {name} --help`")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

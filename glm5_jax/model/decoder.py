@@ -14,6 +14,14 @@ from glm5_jax.model.layers import normal_init, rms_norm, swiglu
 from glm5_jax.model.moe import init_moe, moe_block
 
 
+# What a rematerialised layer keeps from its forward pass (config `remat_policy`; "none" keeps everything).
+REMAT_POLICIES = {
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
 class LayerContext(NamedTuple):
     """Per-sequence inputs every layer shares."""
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.decoder import LayerContext, decoder_layer, init_layer
+from glm5_jax.model.decoder import REMAT_POLICIES, LayerContext, decoder_layer, init_layer
 from glm5_jax.model.indexer import init_indexer
 from glm5_jax.model.layers import normal_init, rms_norm
 
@@ -64,5 +64,7 @@ def mtp_forward(mtp: dict, embedding: jax.Array, h0: jax.Array, tokens: jax.Arra
                                   indexer_mode=indexer_mode, mesh=mesh)
         return h, (rms_norm(h, mtp["shared_head_norm"]["scale"], eps), aux)
 
+    if config.remat_policy != "none":
+        depth_step = jax.checkpoint(depth_step, policy=REMAT_POLICIES[config.remat_policy])
     _, (outputs, aux) = jax.lax.scan(depth_step, h0, jnp.arange(1, num_steps + 1))
     return outputs, aux

@@ -11,18 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.decoder import LayerContext, decoder_layer, init_layer
+from glm5_jax.model.decoder import REMAT_POLICIES, LayerContext, decoder_layer, init_layer
 from glm5_jax.model.indexer import init_indexer
 from glm5_jax.model.layers import normal_init, rms_norm, rope_angles
 from glm5_jax.model.mtp import init_mtp, mtp_forward
 from glm5_jax.model.validation import validate_forward_inputs
+from glm5_jax.parallel.rules import constrain
 
-REMAT_POLICIES = {
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
-
+ACTIVATION_AXES = ("batch", "seq", "embed")
 
 class ModelOutput(NamedTuple):
     logits: jax.Array | None       # [B, S, V] fp32 (None when return_logits=False)
@@ -95,6 +91,7 @@ def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: 
 
     def body(carry, xs_l):
         h, prev_topk = carry
+        h = constrain(h, ACTIVATION_AXES, mesh)  # layer boundary: batch over data/fsdp, model dim replicated
         h, new_topk, aux = decoder_layer(
             xs_l["layer"], xs_l["indexer"], h, ctx, prev_topk, config,
             run_indexer=True if all_full else xs_l["is_full"],
@@ -104,7 +101,7 @@ def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: 
             aux = {k: v for k, v in aux.items() if k != "expert_ids"}
         else:
             aux = dict(aux, topk=new_topk)
-        return (h, new_topk), aux
+        return (constrain(h, ACTIVATION_AXES, mesh), new_topk), aux
 
     if config.remat_policy != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[config.remat_policy])

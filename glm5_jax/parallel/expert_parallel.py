@@ -58,9 +58,9 @@ class DispatchLayout:
 
 
 def capacity_settings(config) -> tuple[float, str]:
-    """(moe_capacity_factor, ep_transport) read from the config with their defaults, validated."""
-    factor = getattr(config, "moe_capacity_factor", 0.0)
-    transport = getattr(config, "ep_transport", "auto")
+    """(moe_capacity_factor, ep_transport) of the model config, validated (configs built with
+    `dataclasses.replace` skip ModelConfig.validate)."""
+    factor, transport = config.moe_capacity_factor, config.ep_transport
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 0 or math.isinf(factor):
         raise ExpertParallelError(f"moe_capacity_factor={factor!r} is invalid: must be a finite number >= 0 "
                                   "(0 = dropless)")
@@ -120,7 +120,7 @@ def _assignments(expert_ids: jax.Array, layout: DispatchLayout):
     counts = jnp.bincount(flat, length=layout.n_experts).astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
     rank_sorted = jnp.arange(n, dtype=jnp.int32) - starts[flat[order]]
-    rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted)  # position among the expert's assignments
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)  # rank within its expert
     keep = rank < layout.expert_capacity
     kept_counts = jnp.minimum(counts, layout.expert_capacity)
     kept_before = jnp.cumsum(kept_counts) - kept_counts  # kept assignments of lower-numbered experts
@@ -136,8 +136,8 @@ def _receiver_expert_of_rows(recv_counts: jax.Array, layout: DispatchLayout) -> 
     """Local expert of every received row ([ep * C]); E_local marks empty padding rows."""
     ends = jnp.cumsum(recv_counts, axis=1)  # [ep, E_local], chunks arrive sorted by expert
     position = jnp.arange(layout.pair_capacity, dtype=jnp.int32)
-    expert = (position[None, :, None] >= ends[:, None, :]).sum(-1).astype(jnp.int32)  # [ep, C]
-    return expert.reshape(-1)
+    expert = jax.vmap(lambda chunk_ends: jnp.searchsorted(chunk_ends, position, side="right"))(ends)  # [ep, C]
+    return expert.reshape(-1).astype(jnp.int32)
 
 
 def _run_local_experts(experts: dict, recv: jax.Array, recv_counts: jax.Array, layout: DispatchLayout) -> jax.Array:
@@ -147,7 +147,7 @@ def _run_local_experts(experts: dict, recv: jax.Array, recv_counts: jax.Array, l
     out_sorted = grouped_swiglu(experts, recv[order], recv_counts.sum(0).astype(jnp.int32))
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     filled = (expert[order] < layout.local_experts)[:, None].astype(out_sorted.dtype)
-    return jnp.zeros_like(recv).at[order].set(out_sorted * filled)
+    return jnp.zeros_like(recv).at[order].set(out_sorted * filled, unique_indices=True)
 
 
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -217,6 +217,9 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
         routed, dropped = dispatch_without_exchange(experts, x, expert_ids, weights, layout)
         return routed, {"dropped_assignments": dropped}
 
+    if EXPERT_AXIS not in mesh.axis_names:
+        raise ExpertParallelError(f"mesh axes {mesh.axis_names} lack {EXPERT_AXIS!r}: build the mesh with "
+                                  "glm5_jax.parallel.mesh.make_mesh")
     token_axes = _token_axes(mesh)
     shards = math.prod(mesh_axis_size(mesh, axis) for axis in token_axes)
     expert_shards = mesh_axis_size(mesh, EXPERT_AXIS)

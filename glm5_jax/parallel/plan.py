@@ -10,9 +10,14 @@ Memory per device:
   batch axes, heads / MLP / vocabulary split over `tensor`), so the remat policy and the attention / MoE
   backends are accounted exactly as they are implemented; the expert-parallel dispatch buffers are traced at
   their per-device size;
-- backward working set: while one layer's backward runs, its activations are live twice (values and
-  cotangents), three times under remat (the recomputed forward too); plus the logits' cotangent and, with
-  FSDP, one layer's gathered weights and their unreduced gradients.
+- backward working set: what one layer's backward holds beyond the saved activations, in units of that
+  layer's no-remat activations (1.6 without remat: cotangents and temporaries; 3.0 with remat: the recomputed
+  forward too; both measured against XLA's buffer assignment), plus the logits' cotangent and, with FSDP,
+  one layer's gathered weights and their unreduced gradients.
+The plan assumes the ideal split of every activation (batch over the batch axes, heads and MLP widths over
+`tensor`); GSPMD reaches it for data / FSDP / expert parallelism (tests/parallel checks the estimate against
+`compile().memory_analysis()` within 15%), while tensor parallelism without activation constraints in the
+model keeps some activations whole and needs more than planned.
 Communication per device and step (bytes sent, ring algorithms): FSDP all-gathers (forward and backward) and
 gradient reduce-scatters, data-parallel gradient all-reduces, expert all-to-alls (dispatch and return, forward,
 backward and remat recompute), tensor-parallel all-reduces of each layer's attention / FFN / indexer outputs.
@@ -28,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from glm5_jax.config import REMAT_POLICIES, ConfigError, ModelConfig, load_model_config
 from glm5_jax.parallel.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
@@ -39,6 +45,14 @@ from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
 GIB = 1024**3
 OPTIMIZER_NAMES = ("adamw", "muon")
 DEFAULT_DEVICE_MEMORY_GIB = 141.0  # H200
+# Live memory of one layer's backward beyond what the forward saved, in units of that layer's no-remat
+# activations: cotangents and temporaries (no remat), plus the recomputed forward (remat). Fitted to XLA's
+# buffer assignment on twelve small configurations (one device and 8-device meshes, none / full / dots
+# remat, with and without MTP), which the whole estimate then matched within 13%; the remat factor was
+# lowered from 3.0 to 2.5 when the MTP depth steps started following the remat policy (re-checked on the two
+# configurations of tests/parallel: ratios 1.085 and 1.047). Accelerator schedulers differ somewhat.
+WORKING_SET_LAYERS_NO_REMAT = 1.6
+WORKING_SET_LAYERS_REMAT = 2.5
 
 
 class PlanError(ValueError):
@@ -133,13 +147,23 @@ def per_device_config(config: ModelConfig, sizes: dict[str, int], remat: str) ->
 
 
 def _residual_bytes(fn, inputs: tuple, exclude: int) -> int:
-    """Bytes reverse-mode AD keeps from `fn(*inputs)` for its backward, not counting the first `exclude`
-    inputs themselves (parameters, loop-invariant context): they are stored anyway."""
+    """Bytes reverse-mode AD keeps from `fn(*inputs)` for its backward. Not counted: the first `exclude`
+    inputs themselves (parameters, loop-invariant context: stored anyway) and residuals that depend on no
+    input (broadcast constants, which XLA folds into their users instead of storing)."""
     def residuals(*args):
         _, vjp_fn = jax.vjp(fn, *args)
-        stored = {id(leaf) for leaf in jax.tree.leaves(args[:exclude])}
-        return list({id(r): r for r in jax.tree.leaves(vjp_fn) if id(r) not in stored}.values())
-    return sum(_nbytes(r) for r in jax.eval_shape(residuals, *inputs))
+        return jax.tree.leaves(vjp_fn)
+
+    jaxpr = jax.make_jaxpr(residuals)(*inputs).jaxpr
+    n_excluded = len(jax.tree.leaves(inputs[:exclude]))
+    excluded = set(jaxpr.invars[:n_excluded])
+    depends_on_input = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in depends_on_input for v in eqn.invars):
+            depends_on_input.update(eqn.outvars)
+    counted = {v for v in jaxpr.outvars
+               if not isinstance(v, Literal) and v in depends_on_input and v not in excluded}
+    return sum(_nbytes(v.aval) for v in counted)
 
 
 def _mean_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -179,7 +203,7 @@ def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, se
 
 def _dispatch_residual_bytes(config: ModelConfig, tokens: int, layout, policy: str) -> int:
     """Saved activations of the expert dispatch of one MoE layer for one device with `layout`."""
-    from glm5_jax.model.transformer import REMAT_POLICIES as POLICY_FUNCTIONS
+    from glm5_jax.model.decoder import REMAT_POLICIES as POLICY_FUNCTIONS
 
     d, f, local = config.hidden_size, config.moe_intermediate_size, layout.local_experts
     dtype = jnp.dtype(config.param_dtype)
@@ -200,23 +224,24 @@ def activation_bytes(config: ModelConfig, sizes: dict[str, int], batch: int, seq
     params = abstract_params(config)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     saved = _residual_bytes(lambda p, t: planning_loss(p, t, config), (params, tokens), exclude=1)
+    policy = config.remat_policy
     mtp_steps = config.mtp_num_steps if config.num_nextn_predict_layers else 0
     layer_none = {kind: _layer_residual_bytes(config, params, kind, batch, seq)
                   for kind in ("dense_layers", "moe_layers") if kind in params}
     if config.moe_backend == "ep" and "moe_layers" in params:
-        # The trace ran the single-device dispatch; add what the expert-parallel buffers hold beyond it.
+        # The traces ran the single-device dispatch; add what the expert-parallel buffers hold beyond it.
         factor, _ = capacity_settings(config)
         tokens_local, top_k, n_experts = batch * seq, config.num_experts_per_tok, config.n_routed_experts
         sharded = dispatch_layout(tokens_local, top_k, n_experts, sizes[EXPERT_AXIS], factor)
         single = dispatch_layout(tokens_local, top_k, n_experts, 1, factor)
-        extra = {policy: _dispatch_residual_bytes(config, tokens_local, sharded, policy)
-                 - _dispatch_residual_bytes(config, tokens_local, single, policy)
-                 for policy in {"none", config.remat_policy}}
-        saved += (config.num_moe_layers + mtp_steps) * extra[config.remat_policy]
+        extra = {p: _dispatch_residual_bytes(config, tokens_local, sharded, p)
+                 - _dispatch_residual_bytes(config, tokens_local, single, p) for p in {"none", policy}}
         layer_none["moe_layers"] += extra["none"]
-    copies = 2 if config.remat_policy == "none" else 3
+        # The MTP depth steps follow the same remat policy as the layers (glm5_jax.model.mtp).
+        saved += (config.num_moe_layers + mtp_steps) * extra[policy]
+    layers = WORKING_SET_LAYERS_NO_REMAT if policy == "none" else WORKING_SET_LAYERS_REMAT
     logits_cotangent = batch * seq * config.vocab_size * 4 * (1 + mtp_steps)
-    return {"saved": saved, "working_set": copies * max(layer_none.values()) + logits_cotangent}
+    return {"saved": saved, "working_set": int(layers * max(layer_none.values())) + logits_cotangent}
 
 
 def _fsdp_gather_bytes(params, sizes: dict[str, int]) -> int:
@@ -239,6 +264,12 @@ def _fsdp_gather_bytes(params, sizes: dict[str, int]) -> int:
 # ---------------------------------------------------------------------------------------------
 # Communication
 # ---------------------------------------------------------------------------------------------
+
+def _planned_transport(config: ModelConfig) -> str:
+    """The expert all-to-all a plan assumes: "auto" means the ragged collective of accelerators."""
+    transport = capacity_settings(config)[1]
+    return "ragged" if transport == "auto" else transport
+
 
 def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, sizes: dict[str, int],
                         batch: int, seq: int) -> dict[str, int]:
@@ -265,9 +296,10 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
     expert_all_to_all = 0
     ep = sizes[EXPERT_AXIS]
     if ep > 1 and config.num_moe_layers:
-        factor, transport = capacity_settings(config)
+        factor, _ = capacity_settings(config)
         layout = dispatch_layout(tokens, config.num_experts_per_tok, config.n_routed_experts, ep, factor)
-        rows = tokens * config.num_experts_per_tok if transport != "padded" else ep * layout.pair_capacity
+        padded = _planned_transport(config) == "padded"
+        rows = ep * layout.pair_capacity if padded else tokens * config.num_experts_per_tok
         expert_all_to_all = moe_layers * passes * 2 * (ep - 1) * rows * config.hidden_size * act // ep
 
     tp = sizes["tensor"]
@@ -292,13 +324,14 @@ def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
     if batch % shards:
         raise PlanError(f"batch={batch} is invalid: the microbatch is split over data * fsdp * expert = {shards} "
                         "devices, so it must be a multiple of that")
-    if mesh.expert > 1:
-        if config.moe_backend != "ep":
-            raise PlanError(f"mesh.expert={mesh.expert} needs model.moe_backend=ep (got "
-                            f"{config.moe_backend!r}): only the ep backend splits the experts")
-        if config.n_routed_experts % mesh.expert:
-            raise PlanError(f"mesh.expert={mesh.expert} is invalid: must divide n_routed_experts "
-                            f"({config.n_routed_experts})")
+    if shards > 1 and config.moe_backend != "ep":
+        raise PlanError(f"model.moe_backend={config.moe_backend!r} cannot be planned on a mesh that splits the "
+                        f"batch ({shards} ways): it sorts the global token array, so every device would run "
+                        "every token's experts. Use model.moe_backend=ep (shard_map over the batch axes; "
+                        "mesh.expert may be 1)")
+    if config.n_routed_experts % mesh.expert:
+        raise PlanError(f"mesh.expert={mesh.expert} is invalid: must divide n_routed_experts "
+                        f"({config.n_routed_experts})")
 
 
 def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[str, Any]:
@@ -336,6 +369,7 @@ def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[
         "param_dtype": config.param_dtype,
         "compute_dtype": config.compute_dtype,
         "moe_backend": config.moe_backend,
+        "ep_transport": _planned_transport(config),
         "memory_bytes": memory,
         "communication_bytes": communication_bytes(config, local_config, params, sizes, local_batch, settings.seq),
         "device_memory_gib": settings.device_memory_gib,
@@ -343,30 +377,35 @@ def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[
     }
 
 
+def _human(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:10.2f} {unit}"
+    return f"{n:10d} B  "
+
+
 def format_report(report: dict[str, Any], config_path: str) -> str:
-    gib = lambda n: f"{n / GIB:12.2f}"
     mesh = " ".join(f"{k}={v}" for k, v in report["mesh"].items())
     mem, comm = report["memory_bytes"], report["communication_bytes"]
+    rows = lambda title, items: [title] + [f"  {label:34s}{_human(value)}" for label, value in items]
     lines = [
         f"plan for {config_path} on mesh {mesh} ({report['devices']} devices)",
         f"microbatch {report['batch']} x {report['seq']} tokens ({report['sequences_per_device']} sequences per "
         f"device), remat={report['remat']}, optimizer={report['optimizer']}, params {report['param_dtype']}, "
-        f"compute {report['compute_dtype']}, moe_backend={report['moe_backend']}",
+        f"compute {report['compute_dtype']}, moe_backend={report['moe_backend']}"
+        + (f" (ep_transport={report['ep_transport']})" if report["moe_backend"] == "ep" else ""),
         "",
-        f"{'per-device memory':34s}{'GiB':>12s}",
-        f"  {'parameters':32s}{gib(mem['params'])}",
-        f"  {'gradients':32s}{gib(mem['grads'])}",
-        f"  {'optimizer state':32s}{gib(mem['optimizer_state'])}",
-        f"  {'activations saved for backward':32s}{gib(mem['activations_saved'])}",
-        f"  {'backward working set':32s}{gib(mem['activations_working_set'])}",
-        f"  {'total':32s}{gib(mem['total'])}",
+        *rows("per-device memory", [
+            ("parameters", mem["params"]), ("gradients", mem["grads"]), ("optimizer state", mem["optimizer_state"]),
+            ("activations saved for backward", mem["activations_saved"]),
+            ("backward working set", mem["activations_working_set"]), ("total", mem["total"])]),
         "",
-        f"{'per-step communication per device':34s}{'GiB':>12s}",
-        f"  {'FSDP all-gather (weights)':32s}{gib(comm['fsdp_all_gather'])}",
-        f"  {'FSDP reduce-scatter (grads)':32s}{gib(comm['fsdp_reduce_scatter'])}",
-        f"  {'data all-reduce (grads)':32s}{gib(comm['data_all_reduce'])}",
-        f"  {'expert all-to-all':32s}{gib(comm['expert_all_to_all'])}",
-        f"  {'tensor all-reduce':32s}{gib(comm['tensor_all_reduce'])}",
+        *rows("per-step communication per device (sent)", [
+            ("FSDP all-gather (weights)", comm["fsdp_all_gather"]),
+            ("FSDP reduce-scatter (grads)", comm["fsdp_reduce_scatter"]),
+            ("data all-reduce (grads)", comm["data_all_reduce"]),
+            ("expert all-to-all", comm["expert_all_to_all"]),
+            ("tensor all-reduce", comm["tensor_all_reduce"])]),
         "",
     ]
     limit = report["device_memory_gib"]
@@ -380,12 +419,14 @@ def format_report(report: dict[str, Any], config_path: str) -> str:
 _SETTING_TYPES = {"batch": int, "seq": int, "remat": str, "optimizer": str, "device_memory_gib": float}
 
 
+USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] [batch=N seq=N "
+         "remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] [model.key=value ...]")
+
+
 def parse_args(argv: list[str]) -> tuple[str, MeshConfig, PlanSettings, list[str]]:
     """CONFIG then key=value items: mesh.<axis>, plan settings, anything else a model override."""
-    if not argv or argv[0] in ("-h", "--help"):
-        raise PlanError("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] "
-                        "[batch=N seq=N remat=none|full|dots|dots_no_batch optimizer=adamw|muon "
-                        "device_memory_gib=X] [model.key=value ...]")
+    if not argv or "=" in argv[0]:
+        raise PlanError(f"CONFIG is missing: {USAGE}")
     config_path, items = argv[0], argv[1:]
     mesh_values: dict[str, Any] = {}
     settings: dict[str, Any] = {}
@@ -408,6 +449,9 @@ def parse_args(argv: list[str]) -> tuple[str, MeshConfig, PlanSettings, list[str
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE + "\n\n" + __doc__)
+        return 0
     try:
         config_path, mesh, settings, overrides = parse_args(argv)
         config = load_model_config(config_path, overrides)

@@ -209,3 +209,33 @@ def test_bad_segment_ids_and_positions_are_rejected(params):
     wrong_shape = dataclasses.replace(TINY, hidden_size=64)
     with pytest.raises(InputError, match="another model shape"):
         forward(params, tokens, config=wrong_shape)
+
+
+@pytest.mark.parametrize("block", [1, 4, 128])
+def test_grouped_expert_layouts_equal_the_reference(block):
+    from glm5_jax.model import moe
+
+    rng = np.random.RandomState(0)
+    e, d, f, t, a = 6, 8, 5, 11, 2
+    experts = {"gate_proj": jnp.asarray(rng.randn(e, d, f), jnp.float32),
+               "up_proj": jnp.asarray(rng.randn(e, d, f), jnp.float32),
+               "down_proj": jnp.asarray(rng.randn(e, f, d), jnp.float32)}
+    x = jnp.asarray(rng.randn(t, d), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(e - 1, a, replace=False) for _ in range(t)]), jnp.int32)  # e-1 unused
+    w = jnp.asarray(rng.rand(t, a), jnp.float32)
+
+    def loss(fn, ex, xx):
+        return jnp.sum(fn(ex, xx, ids, w) ** 2)
+
+    reference = jax.value_and_grad(lambda ex, xx: loss(moe.experts_reference, ex, xx), argnums=(0, 1))(experts, x)
+    blocked = jax.value_and_grad(lambda ex, xx: loss(lambda *z: moe.experts_blocked(*z, block=block), ex, xx),
+                                 argnums=(0, 1))(experts, x)
+    grouped = jax.value_and_grad(lambda ex, xx: loss(lambda ex_, x_, i_, w_: jnp.zeros_like(x_).at[
+        jnp.argsort(i_.reshape(-1), stable=True) // a].add(
+        moe.grouped_swiglu(ex_, x_[jnp.argsort(i_.reshape(-1), stable=True) // a],
+                           jnp.bincount(i_.reshape(-1), length=e).astype(jnp.int32))
+        * w_.reshape(-1)[jnp.argsort(i_.reshape(-1), stable=True)][:, None]), ex, xx), argnums=(0, 1))(experts, x)
+    for got in (blocked, grouped):
+        np.testing.assert_allclose(got[0], reference[0], rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(reference[1])):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)

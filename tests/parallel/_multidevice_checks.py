@@ -1,0 +1,406 @@
+"""Checks that need 8 devices, run by tests/parallel/test_multidevice.py in a subprocess: the fake-device flag
+must be set before jax is imported, and the rest of the suite keeps one device.
+
+Usage: python tests/parallel/_multidevice_checks.py GROUP...   (GROUP: ep | checkpoint | plan | train_step)
+Every check prints "PASS <name>"; a failed assertion exits non-zero with the traceback.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    # Cheaper LLVM code generation: compile time dominates these small checks (buffer sizes are unchanged).
+    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from glm5_jax.config import ModelConfig, load_model_config  # noqa: E402
+from glm5_jax.model.layers import swiglu  # noqa: E402
+from glm5_jax.model.moe import experts_reference, init_moe, moe_block, route  # noqa: E402
+from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig, make_mesh  # noqa: E402
+
+
+def tiny(**overrides) -> ModelConfig:
+    return dataclasses.replace(load_model_config(REPO / "configs" / "tiny.yaml"), **overrides).validate()
+
+
+@functools.cache
+def initial_params():
+    """The tiny model's parameters on one device (host copy: training steps donate their state). The MoE
+    backend does not change the parameter tree, so every group shares this one compiled init."""
+    from glm5_jax.model.transformer import init
+
+    config = tiny()
+    return jax.device_get(jax.jit(lambda key: init(config, key))(jax.random.key(0)))
+
+
+def mesh_of(**sizes):
+    cfg = MeshConfig(**sizes)
+    return make_mesh(cfg, jax.devices()[:cfg.num_devices])
+
+
+def token_shards(mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def close(a, b, name, rtol=1e-5, scaled_atol=2e-6):
+    """allclose with the absolute tolerance relative to the largest magnitude of the expected values."""
+    a, b = np.asarray(a), np.asarray(b)
+    atol = scaled_atol * max(float(np.abs(b).max()), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+
+
+def trees_close(a, b, name, **tol):
+    assert jax.tree.structure(a) == jax.tree.structure(b), name
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        close(x, y, f"{name} {jax.tree_util.keystr(path)}", **tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism against the reference MoE
+# ---------------------------------------------------------------------------------------------
+
+@jax.jit
+def moe_inputs(key):
+    config = tiny()
+    k_params, k_x, k_probe = jax.random.split(key, 3)
+    params = init_moe(config, k_params, jnp.float32)
+    # Larger expert weights than the init's 0.02 so the routed outputs dominate rounding noise.
+    params["experts"] = jax.tree.map(lambda w: w * 10, params["experts"])
+    x = jax.random.normal(k_x, (4, 16, config.hidden_size))
+    return params, x, jax.random.normal(k_probe, x.shape)
+
+
+def hand_kept(expert_ids: np.ndarray, shards: int, capacity: int, n_experts: int) -> np.ndarray:
+    """Per source shard (contiguous token blocks), each expert keeps its first `capacity` assignments in
+    token order; computed with loops, independently of the library's sort-based bookkeeping."""
+    n_tokens, top_k = expert_ids.shape
+    per_shard = n_tokens // shards
+    kept = np.zeros(expert_ids.shape, bool)
+    for shard in range(shards):
+        used = np.zeros(n_experts, int)
+        for token in range(shard * per_shard, (shard + 1) * per_shard):
+            for slot in range(top_k):
+                expert = expert_ids[token, slot]
+                if used[expert] < capacity:
+                    kept[token, slot] = True
+                    used[expert] += 1
+    return kept
+
+
+def value_and_grads(moe_fn, params, x, probe):
+    """moe_fn(params, x) -> (out [B, S, D], extra); returns (out, extra, grads w.r.t. params and x) of the
+    probe loss sum(out * probe)."""
+    def loss(params, x):
+        out, extra = moe_fn(params, x)
+        return (out * probe).sum(), (out, extra)
+    (_, (out, extra)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return out, extra, grads
+
+
+@jax.jit
+def hand_moe(params, x, probe, kept):
+    """Reference MoE (every expert on every token) with the assignments where `kept` is False removed."""
+    config = tiny()
+    b, s, d = x.shape
+
+    def moe_fn(params, x):
+        flat = x.reshape(b * s, d)
+        ids, weights, _ = route(params, flat, config)
+        routed = experts_reference(params["experts"], flat, ids, weights * kept)
+        shared = params["shared_experts"]
+        out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
+                              shared["down_proj"]["kernel"])
+        return out.reshape(b, s, d), None
+    return value_and_grads(moe_fn, params, x, probe)
+
+
+def ep_moe(config, mesh, params, x, probe):
+    def moe_fn(params, x):
+        out, aux = moe_block(params, x, jnp.ones(x.shape[:2], bool), config, mesh=mesh)
+        return out, aux["dropped_assignments"]
+    return jax.jit(lambda p, x, r: value_and_grads(moe_fn, p, x, r))(params, x, probe)
+
+
+def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: str = "padded"):
+    """`ep` on a mesh against `want` = (output, grads): the reference backend when dropless, else the
+    reference with the hand-computed drops removed (then the dropped count is checked too)."""
+    config = tiny(moe_backend="ep", moe_capacity_factor=capacity_factor, ep_transport=transport)
+    mesh = mesh_of(**mesh_sizes)
+    out, dropped, grads = ep_moe(config, mesh, *inputs)
+    name = f"ep {mesh_sizes} capacity_factor={capacity_factor} transport={transport}"
+    want_dropped = 0
+    if capacity_factor > 0:
+        params, x, probe = inputs
+        shards = token_shards(mesh)
+        per_shard = x.shape[0] * x.shape[1] // shards
+        top_k, n_experts = config.num_experts_per_tok, config.n_routed_experts
+        capacity = min(per_shard, math.ceil(capacity_factor * per_shard * top_k / n_experts))
+        ids = jax.jit(lambda p, x: route(p, x.reshape(-1, x.shape[-1]), config)[0])(params, x)
+        kept = hand_kept(np.asarray(ids), shards, capacity, n_experts)
+        want_dropped = int((~kept).sum())
+        assert want_dropped > 0, f"{name}: the case must force drops"
+        want_out, _, want_grads = hand_moe(params, x, probe, jnp.asarray(kept))
+        want = (want_out, want_grads)
+    close(out, want[0], name + " output")
+    trees_close(grads, want[1], name + " grads", rtol=1e-4, scaled_atol=1e-5)
+    assert int(dropped) == want_dropped, (name, int(dropped), want_dropped)
+    print(f"PASS {name} (dropped {int(dropped)})")
+
+
+def reference_backend(inputs):
+    """The library's `reference` MoE backend on one device: output and grads."""
+    config = tiny(moe_backend="reference")
+    out, _, grads = jax.jit(lambda p, x, r: value_and_grads(
+        lambda p, x: (moe_block(p, x, jnp.ones(x.shape[:2], bool), config)[0], None), p, x, r))(*inputs)
+    return out, grads
+
+
+def check_dropped_tokens_get_shared_expert_only(mesh_sizes: dict, inputs):
+    """Every token picks experts 0 and 1 (routing replay); with capacity 1 per shard only each shard's first
+    token keeps them, every other token's output must be exactly the shared expert's."""
+    config = tiny(moe_backend="ep", moe_capacity_factor=0.5)
+    mesh = mesh_of(**mesh_sizes)
+    params, x, _ = inputs
+    b, s, d = x.shape
+    choices = jnp.broadcast_to(jnp.arange(config.num_experts_per_tok, dtype=jnp.int32), (b, s, 2))
+    out, aux = jax.jit(lambda p, x: moe_block(p, x, jnp.ones((b, s), bool), config, choices, mesh=mesh))(params, x)
+    shards = token_shards(mesh)
+    per_shard = b * s // shards
+    capacity = min(per_shard, math.ceil(0.5 * per_shard * 2 / config.n_routed_experts))
+    assert capacity == 1
+    shared = params["shared_experts"]
+    flat, out_flat = x.reshape(b * s, d), np.asarray(out).reshape(b * s, d)
+    shared_out = np.asarray(jax.jit(swiglu)(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
+                                            shared["down_proj"]["kernel"]))
+    first = np.zeros(b * s, bool)
+    first[::per_shard] = True
+    close(out_flat[~first], shared_out[~first], "dropped tokens = shared expert", scaled_atol=1e-5)
+    assert np.abs(out_flat[first] - shared_out[first]).max() > 1e-3, "kept tokens must get their experts"
+    assert int(aux["dropped_assignments"]) == shards * (per_shard - 1) * 2
+    print(f"PASS dropped tokens get only the shared expert on {mesh_sizes}")
+
+
+EP_MESHES = [dict(expert=8), dict(data=2, expert=4), dict(data=2, expert=2, tensor=2)]
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """jax.lax.ragged_all_to_all's documented semantics (one slice per peer) built from all_to_all, which
+    XLA:CPU runs: lets the ragged transport's offsets be checked here."""
+    assert axis_index_groups is None
+    peers = jax.lax.axis_size(axis_name)
+    rows = operand.shape[0]
+    position = jnp.arange(rows)
+    source = input_offsets[:, None] + position[None, :]
+    chunks = jnp.where((position[None, :] < send_sizes[:, None])[..., None],
+                       operand[jnp.clip(source, 0, rows - 1)], 0)
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, rows, D] by source
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    out_position = jnp.arange(output.shape[0])
+    result = output
+    for peer in range(peers):
+        local = out_position - where[peer]
+        hit = (local >= 0) & (local < recv_sizes[peer])
+        result = jnp.where(hit[:, None], received[peer][jnp.clip(local, 0, rows - 1)], result)
+    return result
+
+
+def group_ep():
+    inputs = moe_inputs(jax.random.key(0))
+    reference = reference_backend(inputs)
+    for sizes in EP_MESHES:
+        check_ep(sizes, 0.0, inputs, reference)
+        check_ep(sizes, 0.6, inputs, None)
+    check_dropped_tokens_get_shared_expert_only(dict(data=2, expert=4), inputs)
+    # The ragged transport, with XLA:CPU's missing collective emulated from its documented semantics.
+    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
+    check_ep(dict(expert=8), 0.6, inputs, None, transport="ragged")
+    check_ep(dict(data=2, expert=2, tensor=2), 0.0, inputs, reference, transport="ragged")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded creation and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def group_checkpoint():
+    from glm5_jax.checkpoint import Checkpointer
+    from glm5_jax.parallel.rules import param_specs
+    from glm5_jax.parallel.sharding import (abstract_with_shardings, init_opt_state_sharded, init_sharded,
+                                            opt_state_shardings, param_shardings)
+    from glm5_jax.train.optim import OptimConfig, make_optimizer
+
+    config = tiny(moe_backend="ep")
+    mesh_2x4 = mesh_of(fsdp=2, expert=4)
+    params = init_sharded(config, jax.random.key(0), mesh_2x4)
+    specs = param_specs(params, mesh_2x4)
+    sharded_on = set()
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))):
+        assert leaf.sharding.spec == spec, (jax.tree_util.keystr(path), leaf.sharding.spec, spec)
+        shards = math.prod(mesh_2x4.shape[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+        local = leaf.addressable_shards[0].data.shape
+        assert math.prod(local) * shards == math.prod(leaf.shape), (jax.tree_util.keystr(path), local)
+        sharded_on.update(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+    assert sharded_on == {"fsdp", "expert"}, sharded_on
+    experts = params["moe_layers"]["moe"]["experts"]["gate_proj"]
+    assert experts.sharding.spec == PartitionSpec(None, "expert", "fsdp", None), experts.sharding.spec
+    trees_close(params, initial_params(), "init_sharded vs init", rtol=1e-6, scaled_atol=1e-6)
+    print("PASS params are created sharded by the rule table, with the values of init")
+
+    tx = make_optimizer(OptimConfig(name="muon"), params)
+    opt_state = init_opt_state_sharded(tx, params, mesh_2x4)
+    muon_state = lambda state: state[2].inner_states["muon"].inner_state[0][0].mu  # noqa: E731
+    assert muon_state(opt_state)["moe_layers"]["moe"]["experts"]["gate_proj"].sharding == experts.sharding
+    kv_b = params["moe_layers"]["attn"]["kv_b_proj"]["kernel"]
+    assert muon_state(opt_state)["moe_layers"]["attn"]["kv_b_proj"]["kernel"].uk.sharding == kv_b.sharding
+    print("PASS optimizer state is created sharded like its parameters (Muon Split halves included)")
+    # Distinct non-zero values to save (the fresh moments are zeros); elementwise, so shardings are kept.
+    opt_state = jax.jit(lambda state: jax.tree.map(lambda a: a + jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(
+        a.shape) if jnp.issubdtype(a.dtype, jnp.floating) else a + 1, state))(opt_state)
+
+    with tempfile.TemporaryDirectory() as directory:
+        with Checkpointer(directory) as ckpt:
+            ckpt.save(3, params=params, opt_state=opt_state, force=True)
+            ckpt.wait_until_finished()
+        for name, mesh in (("8x1", mesh_of(fsdp=8)), ("one device", None)):
+            if mesh is None:
+                device = SingleDeviceSharding(jax.devices()[0])
+                target = lambda tree: jax.tree.map(  # noqa: E731
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), tree)
+                param_target, opt_target = target(params), target(opt_state)
+            else:
+                param_target = abstract_with_shardings(params, param_shardings, mesh)
+                opt_target = abstract_with_shardings(opt_state, opt_state_shardings, mesh)
+            with Checkpointer(directory) as ckpt:
+                restored = ckpt.restore(param_target, opt_target)
+            for got, want, target_leaf in zip(jax.tree.leaves((restored.params, restored.opt_state)),
+                                              jax.tree.leaves((params, opt_state)),
+                                              jax.tree.leaves((param_target, opt_target))):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                assert got.sharding.is_equivalent_to(target_leaf.sharding, got.ndim), (name, got.sharding)
+            print(f"PASS checkpoint saved on a 2x4 mesh restores on {name} with identical values")
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner against XLA's compiled memory analysis
+# ---------------------------------------------------------------------------------------------
+
+def xla_train_memory(config, mesh_cfg: MeshConfig, batch: int, seq: int) -> int:
+    """Per-device bytes XLA assigns to forward + backward of a mean cross-entropy (arguments, outputs, temps)."""
+    from glm5_jax.model.transformer import forward
+    from glm5_jax.parallel.sharding import abstract_params, param_shardings
+
+    def mean_ce(logits, targets):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    params = abstract_params(config)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    mesh = None if mesh_cfg.num_devices == 1 else make_mesh(mesh_cfg, jax.devices()[:mesh_cfg.num_devices])
+
+    def loss(params, tokens):
+        out = forward(params, tokens, config=config, mesh=mesh)
+        total = mean_ce(out.logits, tokens)
+        if out.mtp_logits is not None:
+            total = total + mean_ce(out.mtp_logits, jnp.broadcast_to(tokens, out.mtp_logits.shape[:-1]))
+        return total
+
+    step = jax.value_and_grad(loss)
+    if mesh is None:
+        compiled = jax.jit(step).lower(params, tokens).compile()
+    else:
+        shardings = param_shardings(params, mesh)
+        tokens_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+        step = jax.jit(step, in_shardings=(shardings, tokens_sharding),
+                       out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings))
+        compiled = step.lower(params, tokens).compile()
+    stats = compiled.memory_analysis()
+    return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+
+
+def group_plan():
+    from glm5_jax.parallel.plan import PlanSettings, plan
+
+    cases = [
+        ("one device, no remat, ragged MoE, MTP", tiny(), MeshConfig(), 4, 64, "none"),
+        ("data=2 fsdp=2 expert=2, full remat, ep MoE, MTP", tiny(moe_backend="ep"),
+         MeshConfig(data=2, fsdp=2, expert=2), 16, 64, "full"),
+    ]
+    for name, config, mesh_cfg, batch, seq, remat in cases:
+        report = plan(config, mesh_cfg, PlanSettings(batch=batch, seq=seq, remat=remat))
+        memory = report["memory_bytes"]
+        estimate = sum(memory[k] for k in ("params", "grads", "activations_saved", "activations_working_set"))
+        actual = xla_train_memory(dataclasses.replace(config, remat_policy=remat), mesh_cfg, batch, seq)
+        ratio = estimate / actual
+        assert abs(ratio - 1) <= 0.15, f"{name}: planner {estimate} vs XLA {actual} bytes (ratio {ratio:.3f})"
+        print(f"PASS planner within 15% of XLA: {name} (planner {estimate}, XLA {actual}, ratio {ratio:.3f})")
+
+
+# ---------------------------------------------------------------------------------------------
+# One training step on a 2x2x2 mesh equals the single-device step
+# ---------------------------------------------------------------------------------------------
+
+def group_train_step():
+    """Plain SGD (update = -lr * grad) keeps the comparison as tight as the gradients themselves (Adam's first
+    step is lr * sign(g), which fp32 reduction order flips wherever g is ~0). The rate is large so that the
+    update, not the fp32 spacing of the weights, dominates new - old."""
+    import optax
+
+    from glm5_jax.config import TrainConfig
+    from glm5_jax.parallel.sharding import init_opt_state_sharded, shard_params
+    from glm5_jax.train.step import TrainState, init_train_state, make_train_step
+
+    train = TrainConfig(batch_size=8, seq_len=32).validate()
+    single_config = tiny(moe_backend="ragged")
+    mesh_config = tiny(moe_backend="ep")
+    params = initial_params()
+    tx = optax.sgd(1e3)
+    tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, single_config.vocab_size, jnp.int32)
+    batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+             "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), tokens.shape),
+             "loss_mask": jnp.ones_like(tokens)}
+
+    single_params = jax.tree.map(jnp.asarray, params)
+    single_state, single_metrics = make_train_step(single_config, train, tx)(init_train_state(single_params, tx),
+                                                                              batch)
+
+    mesh = mesh_of(data=2, fsdp=2, expert=2)
+    sharded = shard_params(params, mesh)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
+    mesh_state, mesh_metrics = make_train_step(mesh_config, train, tx, mesh=mesh)(state, mesh_batch)
+
+    close(mesh_metrics["loss"], single_metrics["loss"], "loss")
+    steps = lambda state: [np.asarray(new) - old for new, old in zip(jax.tree.leaves(state.params),  # noqa: E731
+                                                                      jax.tree.leaves(params))]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for path, got, want in zip(paths, steps(mesh_state), steps(single_state)):
+        close(got, want, f"parameter update {path}", rtol=1e-4, scaled_atol=1e-4)
+    assert max(np.abs(step).max() for step in steps(single_state)) > 1e-2, "the step must move the parameters"
+    print(f"PASS one training step on a 2x2x2 mesh equals the single-device step (loss "
+          f"{float(single_metrics['loss']):.6f})")
+
+
+GROUPS = {"ep": group_ep, "checkpoint": group_checkpoint, "plan": group_plan, "train_step": group_train_step}
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 8, jax.devices()
+    for group in sys.argv[1:]:
+        GROUPS[group]()

@@ -1,0 +1,98 @@
+"""The `ep` MoE dispatch on one device (mesh None): dropless equality with the reference, the deterministic
+capacity drop rule against a hand loop, buffer sizes and input validation. Meshes: test_multidevice.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model.moe import experts_reference, init_moe, moe_block
+from glm5_jax.parallel.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
+                                               experts_ep)
+
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                  num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                  v_head_dim=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+                  index_n_heads=2, index_head_dim=4, index_topk=4, compute_dtype="float32",
+                  moe_backend="ep").validate()
+T, A, E = 24, 2, 8
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    experts = jax.tree.map(lambda w: w * 10, init_moe(CONFIG, jax.random.key(0), jnp.float32)["experts"])
+    x = jax.random.normal(jax.random.key(1), (T, CONFIG.hidden_size))
+    ids = jax.vmap(lambda k: jax.random.choice(k, E, (A,), replace=False))(jax.random.split(jax.random.key(2), T))
+    weights = jax.random.uniform(jax.random.key(3), (T, A))
+    return experts, x, ids.astype(jnp.int32), weights
+
+
+def loss_and_grads(fn, experts, x, weights):
+    probe = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+    return jax.jit(jax.value_and_grad(lambda e, x, w: (fn(e, x, w) * probe).sum(), argnums=(0, 1, 2)))(
+        experts, x, weights)
+
+
+def test_dropless_equals_reference_outputs_and_gradients(inputs):
+    experts, x, ids, weights = inputs
+    out, aux = jax.jit(lambda e, x, i, w: experts_ep(e, x, i, w, CONFIG, None))(experts, x, ids, weights)
+    np.testing.assert_allclose(out, jax.jit(experts_reference)(experts, x, ids, weights), rtol=1e-5, atol=1e-5)
+    assert int(aux["dropped_assignments"]) == 0
+    got = loss_and_grads(lambda e, x, w: experts_ep(e, x, ids, w, CONFIG, None)[0], experts, x, weights)
+    want = loss_and_grads(lambda e, x, w: experts_reference(e, x, ids, w), experts, x, weights)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_capacity_drops_later_tokens_first_and_counts_them(inputs):
+    experts, x, ids, weights = inputs
+    config = dataclasses.replace(CONFIG, moe_capacity_factor=0.5)
+    capacity = int(np.ceil(0.5 * T * A / E))  # 3 assignments per expert
+    kept = np.zeros((T, A), bool)
+    used = np.zeros(E, int)
+    for token in range(T):
+        for slot in range(A):
+            expert = int(ids[token, slot])
+            kept[token, slot] = used[expert] < capacity
+            used[expert] += 1
+    assert 0 < (~kept).sum() < T * A
+    out, aux = jax.jit(lambda e, x, i, w: experts_ep(e, x, i, w, config, None))(experts, x, ids, weights)
+    want = jax.jit(experts_reference)(experts, x, ids, weights * kept)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert int(aux["dropped_assignments"]) == int((~kept).sum())
+
+
+def test_moe_block_ep_backend_without_mesh_matches_reference_backend():
+    params = init_moe(CONFIG, jax.random.key(4), jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (2, 6, CONFIG.hidden_size))
+    mask = jnp.ones((2, 6), bool)
+    run = lambda config: jax.jit(lambda p, x: moe_block(p, x, mask, config))(params, x)  # noqa: E731
+    out, aux = run(CONFIG)
+    want, _ = run(dataclasses.replace(CONFIG, moe_backend="reference"))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert int(aux["dropped_assignments"]) == 0
+
+
+def test_dispatch_layout_sizes():
+    dropless = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=0.0)
+    assert (dropless.expert_capacity, dropless.pair_capacity, dropless.local_experts) == (16, 32, 2)
+    capped = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=1.0)
+    assert (capped.expert_capacity, capped.pair_capacity) == (4, 8)
+    many_experts = dispatch_layout(local_tokens=4, top_k=8, n_experts=256, expert_shards=8, capacity_factor=0.0)
+    assert many_experts.pair_capacity == 32  # all t * A assignments could target one expert rank
+
+
+def test_settings_and_inputs_are_validated(inputs):
+    experts, x, ids, weights = inputs
+    with pytest.raises(ExpertParallelError, match=r"moe_capacity_factor=-1\.0 is invalid"):
+        capacity_settings(dataclasses.replace(CONFIG, moe_capacity_factor=-1.0))
+    with pytest.raises(ExpertParallelError, match=r"ep_transport='nccl' is invalid"):
+        capacity_settings(dataclasses.replace(CONFIG, ep_transport="nccl"))
+    with pytest.raises(ExpertParallelError, match=r"weights has shape \(24, 3\)"):
+        experts_ep(experts, x, ids, jnp.ones((T, 3)), CONFIG, None)
+    with pytest.raises(ExpertParallelError, match="experts must hold gate_proj, up_proj and down_proj"):
+        experts_ep({"gate_proj": experts["gate_proj"]}, x, ids, weights, CONFIG, None)

@@ -1,0 +1,108 @@
+"""Mesh configuration, the logical-axis rule table and optimizer-state shardings, on one device (shapes and mesh
+sizes only; the multi-device behaviour is in test_multidevice.py)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.config import load_model_config
+from glm5_jax.parallel.mesh import MeshConfig, MeshConfigError, make_mesh
+from glm5_jax.parallel.rules import (ShardingRuleError, constrain, logical_to_spec, param_logical_axes,
+                                     param_specs)
+from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+from glm5_jax.parallel.rules import path_names
+
+SIZES = {"data": 2, "fsdp": 16, "expert": 8, "tensor": 4}
+
+
+@pytest.fixture(scope="module")
+def glm5_params():
+    return abstract_params(load_model_config("configs/glm5_744b.yaml"))
+
+
+def test_mesh_config_validates_fields_and_device_count():
+    with pytest.raises(MeshConfigError, match=r"mesh.fsdp=0 is invalid"):
+        MeshConfig(fsdp=0)
+    with pytest.raises(MeshConfigError, match=r"mesh.tensor=2.5"):
+        MeshConfig(tensor=2.5)
+    with pytest.raises(MeshConfigError, match=r"mesh.pipeline=2 is invalid: unknown mesh axis"):
+        MeshConfig.from_mapping({"pipeline": 2})
+    with pytest.raises(MeshConfigError, match=r"has 8 devices but 1 are available"):
+        make_mesh(MeshConfig(data=2, expert=4))
+    mesh = make_mesh(MeshConfig())
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+
+
+def test_activation_rules_give_batch_every_batch_axis_and_leave_embed_whole():
+    assert logical_to_spec(("batch", "seq", "embed"), (256, 128, 6144), SIZES) == \
+        P(("data", "fsdp", "expert"), None, None)
+    assert logical_to_spec(("batch", "seq", "heads", "head_dim"), (256, 16, 64, 256), SIZES) == \
+        P(("data", "fsdp", "expert"), None, "tensor", None)
+    # A batch of 4 only takes the axes that divide it, in order; `fsdp` then goes to the next candidate dim.
+    assert logical_to_spec(("batch", "seq", "embed"), (4, 16, 6144), SIZES) == P("data", None, "fsdp")
+    with pytest.raises(ShardingRuleError, match="logical axis 'channels' has no rule"):
+        logical_to_spec(("batch", "channels"), (8, 8), SIZES)
+
+
+def test_glm5_parameter_specs(glm5_params):
+    specs = param_specs(glm5_params, SIZES)
+    moe, attn = specs["moe_layers"], specs["moe_layers"]["attn"]
+    assert moe["moe"]["experts"]["gate_proj"] == P(None, "expert", "fsdp", "tensor")
+    assert moe["moe"]["experts"]["down_proj"] == P(None, "expert", "tensor", "fsdp")
+    assert moe["moe"]["router"]["kernel"] == P(None, "fsdp", None)
+    assert moe["moe"]["e_score_correction_bias"] == P(None, None)
+    assert moe["moe"]["shared_experts"]["gate_proj"]["kernel"] == P(None, "fsdp", "tensor")
+    assert attn["q_b_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
+    assert attn["kv_b_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
+    assert attn["o_proj"]["kernel"] == P(None, "tensor", None, "fsdp")
+    assert specs["embed"]["embedding"] == P("tensor", "fsdp")
+    assert specs["lm_head"]["kernel"] == P("fsdp", "tensor")
+    assert specs["indexers"]["wq_b"]["kernel"] == P(None, "fsdp", "tensor", None)
+    assert specs["mtp"]["eh_proj"]["kernel"] == P("fsdp", None)
+    assert specs["final_norm"]["scale"] == P(None)
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        names = path_names(path)
+        if names[0] in ("dense_layers", "moe_layers", "indexers"):
+            assert spec[0] is None, f"{names}: the stacked layer axis is never split"
+        for dim, entry in zip(leaf.shape, spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            assert dim % math.prod(SIZES[a] for a in axes) == 0, (names, leaf.shape, spec)
+
+
+def test_every_large_glm5_weight_is_fsdp_sharded(glm5_params):
+    """No host holds a whole matrix: every leaf above 1M values is split over `fsdp`."""
+    specs = param_specs(glm5_params, SIZES)
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        if math.prod(leaf.shape) > 2**20:
+            assert "fsdp" in jax.tree.leaves(tuple(spec)), (path_names(path), spec)
+
+
+def test_unknown_parameter_path_and_rank_mismatch_are_errors():
+    with pytest.raises(ShardingRuleError, match="parameter 'moe_layers/attn/new_proj/kernel' has no entry"):
+        param_logical_axes(("moe_layers", "attn", "new_proj", "kernel"), 3)
+    with pytest.raises(ShardingRuleError, match="has rank 2 but its rule gives 4 dims"):
+        param_logical_axes(("moe_layers", "attn", "q_b_proj", "kernel"), 2)
+
+
+def test_optimizer_state_leaves_follow_their_parameter():
+    kv_b = state_leaf_spec(("2", "inner_states", "muon", "mu", "moe_layers", "attn", "kv_b_proj", "kernel", "uk"),
+                           (75, 512, 64, 192), SIZES)
+    assert kv_b == P(None, "fsdp", "tensor", None)
+    nu = state_leaf_spec(("0", "nu", "embed", "embedding"), (154880, 6144), SIZES)
+    assert nu == P("tensor", "fsdp")
+    assert state_leaf_spec(("0", "count"), (), SIZES) == P()
+    assert state_leaf_spec(("ns_coeffs",), (3,), SIZES) == P()
+
+
+def test_constrain_without_a_mesh_is_the_identity():
+    x = jnp.ones((2, 4, 8))
+    assert constrain(x, ("batch", "seq", "embed")) is x
+    mesh = make_mesh(MeshConfig())
+    y = jax.jit(lambda x: constrain(x, ("batch", "seq", "embed"), mesh))(x)
+    assert y.sharding.is_fully_replicated and (y == x).all()

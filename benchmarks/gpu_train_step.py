@@ -1,0 +1,149 @@
+"""Training step of a ~1B-parameter GLM-5-shaped model on one GPU: compile time, tokens/s and MFU.
+
+The config keeps GLM-5's per-head shapes (qk 192 nope + 64 rope, v 256, kv latent 512, indexer heads of
+128 with top-k 2048) and its routing (sigmoid, one shared expert, 8 routed experts per token), scaled to
+hidden 2048, 12 layers (2 dense), 32 experts and a 32K vocabulary, with the shared 1-layer MTP applied
+`--mtp-steps` times. bf16 compute, fp32 parameters, AdamW. Sequences longer than the top-k make DSA prune.
+
+MFU = analytic training FLOPs/token (`glm5_jax.model.flops`) x tokens/s / `--peak-tflops` (H200 dense
+bf16: 989). One JSON line per result on stdout and appended to --out; failures become error lines.
+
+  PYTHONPATH=. python benchmarks/gpu_train_step.py --out "$OUT/gpu_check.jsonl"
+  PYTHONPATH=. python benchmarks/gpu_train_step.py --smoke          # tiny shapes, any backend (CPU check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.config import ModelConfig, TrainConfig
+from glm5_jax.model import flops
+from glm5_jax.model.param_count import count_params
+from glm5_jax.model.transformer import init
+from glm5_jax.train.optim import OptimConfig, make_optimizer
+from glm5_jax.train.step import init_train_state, make_train_step
+
+GLM5_1B = ModelConfig(
+    vocab_size=32768, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=384, num_hidden_layers=12,
+    num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+    v_head_dim=256, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+    first_k_dense_replace=2, index_n_heads=16, index_head_dim=128, index_topk=2048, num_nextn_predict_layers=1,
+    mtp_num_steps=1, max_position_embeddings=32768, param_dtype="float32", compute_dtype="bfloat16",
+    attention_backend="pallas", moe_backend="ragged",
+)
+# Same code path at a size a CPU runs in seconds (checks the script, measures nothing meaningful).
+SMOKE = dataclasses.replace(
+    GLM5_1B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2,
+    index_head_dim=16, index_topk=16, attention_backend="sparse")
+
+
+def emit(row: dict, out: str | None) -> None:
+    line = json.dumps({"check": "train_step", **row})
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="append JSON lines here too")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--mtp-steps", type=int, default=1)
+    parser.add_argument("--attention-backend", default=None, choices=("sparse", "pallas", "dense"))
+    parser.add_argument("--remat", default="none", choices=("none", "full", "dots", "dots_no_batch"))
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip")
+    parser.add_argument("--budget-s", type=float, default=45.0, help="stop timing steps after this many seconds")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (seq 64) to check the script on CPU")
+    args = parser.parse_args(argv)
+    for field in ("batch", "seq", "steps"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field}={getattr(args, field)} is invalid: must be >= 1")
+    if args.mtp_steps < 0:
+        parser.error(f"--mtp-steps={args.mtp_steps} is invalid: must be >= 0")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> ModelConfig:
+    base = SMOKE if args.smoke else GLM5_1B
+    changes = {"mtp_num_steps": args.mtp_steps, "num_nextn_predict_layers": int(args.mtp_steps > 0),
+               "remat_policy": args.remat}
+    if args.attention_backend:
+        changes["attention_backend"] = args.attention_backend
+    elif not args.smoke and jax.default_backend() != "gpu":
+        changes["attention_backend"] = "sparse"  # Pallas kernels only compile for GPU
+    return dataclasses.replace(base, **changes).validate()
+
+
+def run(args: argparse.Namespace) -> None:
+    config = build_config(args)
+    batch, seq = args.batch, (64 if args.smoke else args.seq)
+    counts = count_params(config)
+    optim = OptimConfig(name="adamw", lr=1e-4, warmup_steps=0, schedule="constant")
+    params = init(config, jax.random.key(0))
+    optimizer = make_optimizer(optim, params)
+    step = make_train_step(config, TrainConfig(batch_size=batch, seq_len=seq), optimizer)
+    state = init_train_state(params, optimizer)
+    rng = np.random.default_rng(0)
+
+    def make_batch():
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq), dtype=np.int32))
+        return {"tokens": tokens, "segment_ids": jnp.ones((batch, seq), jnp.int32),
+                "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
+                "loss_mask": jnp.ones((batch, seq), jnp.int32)}
+
+    start = time.perf_counter()
+    compiled = step.jitted.lower(state, make_batch()).compile()
+    compile_s = time.perf_counter() - start
+    state, metrics = compiled(state, make_batch())  # warm-up
+    first_loss = float(metrics["loss"])
+    times, deadline = [], time.perf_counter() + args.budget_s
+    while len(times) < args.steps and time.perf_counter() < deadline:
+        b = make_batch()
+        jax.block_until_ready(b)
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, b)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    tokens_per_s = batch * seq / statistics.median(times)
+    per_token = flops.training_flops_per_token(config, seq)
+    memory = jax.local_devices()[0].memory_stats() or {}
+    emit({
+        "device": jax.devices()[0].device_kind, "config": "smoke" if args.smoke else "glm5_1b",
+        "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
+        "batch": batch, "seq": seq, "mtp_steps": args.mtp_steps, "attention_backend": config.attention_backend,
+        "remat": config.remat_policy, "compute_dtype": config.compute_dtype, "compile_s": round(compile_s, 1),
+        "steps_timed": len(times), "step_ms": round(1e3 * statistics.median(times), 1),
+        "tokens_per_s": round(tokens_per_s, 1), "train_tflops_per_token": per_token / 1e12,
+        "achieved_tflops": round(per_token * tokens_per_s / 1e12, 2), "peak_tflops": args.peak_tflops,
+        "mfu": round(per_token * tokens_per_s / (args.peak_tflops * 1e12), 4),
+        "first_loss": round(first_loss, 4), "last_loss": round(float(metrics["loss"]), 4),
+        "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),
+    }, args.out)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except Exception as exc:  # an OOM or compile failure is a result to report, not a crash of the check
+        emit({"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]},
+             args.out)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Training-step and forward throughput of glm5_jax against Hugging Face `GlmMoeDsaForCausalLM`, side by side.
+
+Both frameworks get the same weights (glm5_jax's init, exported through `glm5_jax.convert.hf`) and the same
+token batches, fp32, MTP off (HF has none). Measured in one process, after warm-up, as the median of
+`--steps` timed steps:
+  train    glm5_jax: the jitted `make_train_step` (AdamW, clip 1.0, bias update, metrics);
+           HF: model.train(), loss.backward(), clip_grad_norm_(1.0), torch.optim.AdamW.step()
+  forward  the mean next-token loss without gradients (glm5_jax: jitted forward + chunked cross-entropy;
+           HF: torch.no_grad() forward with labels)
+One JSON line per (config, phase) with both tokens/s and `ratio` = glm5_jax / HF; the first-step losses of
+both are printed too, as a check that the two models really hold the same weights.
+
+  PYTHONPATH=. python benchmarks/train_step_vs_hf.py [--configs tiny small] [--steps 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.config import ModelConfig, TrainConfig
+from glm5_jax.model.transformer import forward, init
+from glm5_jax.train import losses
+from glm5_jax.train.optim import OptimConfig, make_optimizer
+from glm5_jax.train.step import init_train_state, make_train_step
+
+# Shared by both configs: fp32, no MTP, GLM-5 routing constants, one shared expert.
+_COMMON = dict(num_nextn_predict_layers=0, mtp_num_steps=0, first_k_dense_replace=1, n_shared_experts=1,
+               n_group=4, topk_group=2, num_experts_per_tok=4, param_dtype="float32", compute_dtype="float32",
+               max_position_embeddings=4096)
+
+CONFIGS = {
+    "tiny": ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=4, n_routed_experts=16, kv_lora_rank=64,
+                        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
+                        index_head_dim=32, index_topk=32, **_COMMON),
+    "small": ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
+                         num_hidden_layers=6, num_attention_heads=8, n_routed_experts=32, kv_lora_rank=128,
+                         q_lora_rank=192, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                         index_n_heads=4, index_head_dim=64, index_topk=128, **_COMMON),
+}
+OPTIM = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0, schedule="constant", weight_decay=0.1, grad_clip_norm=1.0)
+
+
+def token_batches(config: ModelConfig, batch: int, seq: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, config.vocab_size, (batch, seq), dtype=np.int32) for _ in range(count)]
+
+
+def lm_batch(tokens: np.ndarray) -> dict:
+    b, s = tokens.shape
+    return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones((b, s), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+            "loss_mask": jnp.ones((b, s), jnp.int32)}
+
+
+def timed(fn, inputs: list, warmup: int) -> tuple[list[float], object]:
+    """Run fn over inputs; return the wall times of the runs after `warmup` and the first result."""
+    times, first = [], None
+    for i, x in enumerate(inputs):
+        start = time.perf_counter()
+        out = fn(x)
+        elapsed = time.perf_counter() - start
+        first = out if i == 0 else first
+        if i >= warmup:
+            times.append(elapsed)
+    return times, first
+
+
+def train_config_for(batch: int, seq: int) -> TrainConfig:
+    return TrainConfig(batch_size=batch, seq_len=seq)
+
+
+def jax_train_runner(params, config: ModelConfig, batch: int, seq: int):
+    """A closure that runs one training step on a token batch and blocks; returns the step's lm_loss."""
+    optimizer = make_optimizer(OPTIM, params)
+    step = make_train_step(config, train_config_for(batch, seq), optimizer)
+    state = {"s": init_train_state(jax.tree.map(jnp.array, params), optimizer)}
+
+    def run(tokens):
+        state["s"], metrics = step(state["s"], lm_batch(tokens))
+        return float(jax.block_until_ready(metrics["lm_loss"]))
+
+    return run
+
+
+def jax_forward_runner(params, config: ModelConfig):
+    @jax.jit
+    def loss_fn(p, b):
+        out = forward(p, b["tokens"], config=config, positions=b["positions"], segment_ids=b["segment_ids"],
+                      return_logits=False, mtp_steps=0)
+        total, count = losses.cross_entropy(out.hidden, p["lm_head"]["kernel"], b["tokens"], b["segment_ids"],
+                                            b["loss_mask"])
+        return total / count
+
+    params = jax.tree.map(jnp.array, params)
+    return lambda tokens: float(jax.block_until_ready(loss_fn(params, lm_batch(tokens))))
+
+
+def hf_model(params, config: ModelConfig):
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from glm5_jax.convert.hf import hf_config_dict, to_hf_state_dict
+
+    kwargs = {k: v for k, v in hf_config_dict(config).items() if k not in ("architectures", "model_type",
+                                                                          "torch_dtype")}
+    hf_config = GlmMoeDsaConfig(**kwargs)
+    hf_config._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(hf_config)
+    state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in
+             to_hf_state_dict(params, config, fused_experts=True, include_mtp=False).items()}
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def hf_train_runner(model):
+    import torch
+
+    model.train()
+    # Same groups as glm5_jax's AdamW: no decay on norms (1-D leaves); the correction bias is a buffer.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=OPTIM.lr, betas=(OPTIM.b1, OPTIM.b2), eps=OPTIM.eps)
+
+    def run(tokens):
+        ids = torch.from_numpy(tokens).long()
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip_norm)
+        optimizer.step()
+        return float(loss.detach())
+
+    return run
+
+
+def hf_forward_runner(model):
+    import torch
+
+    def run(tokens):
+        ids = torch.from_numpy(tokens).long()
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+
+    return run
+
+
+def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, warmup: int, seed: int) -> list[dict]:
+    params = jax.device_get(init(config, jax.random.key(seed)))
+    inputs = token_batches(config, batch, seq, warmup + steps, seed + 1)
+    model = hf_model(params, config)
+    runners = {
+        "forward": (jax_forward_runner(params, config), hf_forward_runner(model)),
+        "train": (jax_train_runner(params, config, batch, seq), hf_train_runner(model)),
+    }
+    rows = []
+    for phase, (jax_run, hf_run) in runners.items():
+        jax_times, jax_loss = timed(jax_run, inputs, warmup)
+        hf_times, hf_loss = timed(hf_run, inputs, warmup)
+        tokens = batch * seq
+        jax_tps, hf_tps = tokens / statistics.median(jax_times), tokens / statistics.median(hf_times)
+        rows.append({
+            "benchmark": "train_step_vs_hf", "config": name, "phase": phase, "batch": batch, "seq": seq,
+            "steps": steps, "glm5_jax_tokens_per_s": round(jax_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
+            "ratio": round(jax_tps / hf_tps, 3), "glm5_jax_step_ms": round(1e3 * statistics.median(jax_times), 1),
+            "hf_step_ms": round(1e3 * statistics.median(hf_times), 1), "first_loss_glm5_jax": round(jax_loss, 5),
+            "first_loss_hf": round(hf_loss, 5), "hf_experts_impl": str(model.config._experts_implementation),
+        })
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default=None, choices=("dense", "sparse"),
+                        help="override the glm5_jax attention backend (default: the config's, 'sparse')")
+    args = parser.parse_args(argv)
+    for field in ("batch", "seq", "steps", "warmup", "threads"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field}={getattr(args, field)} is invalid: must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    versions = {"jax": jax.__version__, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                "backend": jax.default_backend()}
+    import transformers
+
+    versions["transformers"] = transformers.__version__
+    print(json.dumps({"benchmark": "train_step_vs_hf", "versions": versions}), flush=True)
+    for name in args.configs:
+        config = CONFIGS[name]
+        if args.attention_backend:
+            config = dataclasses.replace(config, attention_backend=args.attention_backend)
+        for row in measure(name, config, args.batch, args.seq, args.steps, args.warmup, args.seed):
+            row["attention_backend"] = config.attention_backend
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from glm5_jax.tree_paths import path_string
+
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or restored as asked."""
@@ -36,16 +38,9 @@ class RestoredCheckpoint:
     config: Any  # the config saved with the step, as plain JSON data, or None
 
 
-def _key_name(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
 def _shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+    return {path_string(path): tuple(leaf.shape) for path, leaf in flat}
 
 
 def _abstract(tree):
@@ -67,7 +62,7 @@ def _as_json(name: str, value: Any) -> Any:
 def _first_non_finite(tree) -> str | None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
-            return "/".join(_key_name(k) for k in path)
+            return path_string(path)
     return None
 
 

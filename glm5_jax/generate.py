@@ -5,15 +5,5 @@
     records = to_rollout_records(out, rollout_ids=..., group_ids=..., rewards=..., weight_versions=version)
 """
 
-from glm5_jax.generation import (GenerationError, GenerationOutput, SamplingParams, generate, mean_acceptance_length,
-                                 speculative_generate, to_rollout_records)
-
-__all__ = [
-    "GenerationError",
-    "GenerationOutput",
-    "SamplingParams",
-    "generate",
-    "mean_acceptance_length",
-    "speculative_generate",
-    "to_rollout_records",
-]
+from glm5_jax.generation import *  # noqa: F401,F403  (this module is the documented entry point)
+from glm5_jax.generation import __all__  # noqa: F401

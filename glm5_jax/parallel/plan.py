@@ -39,8 +39,9 @@ from glm5_jax.config import REMAT_POLICIES, ConfigError, ModelConfig, load_model
 from glm5_jax.parallel.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
                                                dispatch_without_exchange)
 from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig
-from glm5_jax.parallel.rules import logical_to_spec, param_specs, path_names
+from glm5_jax.parallel.rules import logical_to_spec, param_specs
 from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+from glm5_jax.tree_paths import path_names
 
 GIB = 1024**3
 OPTIMIZER_NAMES = ("adamw", "muon")

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm5_jax.parallel.mesh import BATCH_AXES
+from glm5_jax.tree_paths import path_names
 
 # Logical name -> candidate mesh axes, in the order they are taken.
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
@@ -116,17 +117,6 @@ def param_logical_axes(names: Sequence[str], ndim: int) -> tuple[str, ...]:
         raise ShardingRuleError(f"parameter '{'/'.join(names)}' has rank {ndim} but its rule gives {len(axes)} "
                                 f"dims {axes}")
     return axes
-
-
-def _key_name(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def path_names(key_path) -> tuple[str, ...]:
-    return tuple(_key_name(entry) for entry in key_path)
 
 
 def param_specs(params, mesh: Mesh | Mapping[str, int]):

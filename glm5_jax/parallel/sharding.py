@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.parallel.rules import (PARAM_SECTIONS, ShardingRuleError, logical_to_spec, param_logical_axes,
-                                     param_specs, path_names)
+                                     param_specs)
+from glm5_jax.tree_paths import path_names
 
 # Muon Split keeps kv_b_proj's state as two halves (W_UK, W_UV) sharded like the whole kernel.
 _SPLIT_PART_NAMES = ("uk", "uv")

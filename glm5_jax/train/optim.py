@@ -33,6 +33,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from glm5_jax.config import ConfigError
+from glm5_jax.tree_paths import path_names, path_string
 from glm5_jax.train.schedules import SCHEDULES, warmup_then_decay
 
 OPTIMIZERS = ("adamw", "muon")
@@ -141,18 +142,6 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 # Parameter paths and groups
 # ---------------------------------------------------------------------------------------------
 
-def _key_name(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def path_names(key_path) -> tuple[str, ...]:
-    """A jax key path as a tuple of plain names, e.g. ("moe_layers", "attn", "q_b_proj", "kernel")."""
-    return tuple(_key_name(entry) for entry in key_path)
-
-
 def _num_batch_axes(names: tuple[str, ...]) -> int:
     return int(names[0] in _STACKED_SECTIONS) + int("experts" in names)
 
@@ -251,7 +240,7 @@ def _split_kv_heads(inner: optax.GradientTransformation, nope_sizes: dict[str, i
 
     def split(tree):
         def split_leaf(path, x):
-            nope = nope_sizes.get("/".join(path_names(path)))
+            nope = nope_sizes.get(path_string(path))
             return x if nope is None else _KVParts(x[..., :nope], x[..., nope:])
         return jax.tree_util.tree_map_with_path(split_leaf, tree)
 
@@ -316,7 +305,7 @@ def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
     if not leaves:
         raise ValueError("params is empty: make_optimizer needs the parameter tree it will update")
     if isinstance(cfg.trainable, tuple):
-        paths = ["/".join(path_names(path)) for path, _ in leaves]
+        paths = [path_string(path) for path, _ in leaves]
         for pattern in cfg.trainable:
             if not any(re.search(pattern, path) for path in paths):
                 _fail("optim.trainable", pattern, f"matches no parameter path; paths look like {paths[:4]}")

@@ -13,7 +13,7 @@ from glm5_jax.parallel.mesh import MeshConfig, MeshConfigError, make_mesh
 from glm5_jax.parallel.rules import (ShardingRuleError, constrain, logical_to_spec, param_logical_axes,
                                      param_specs)
 from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
-from glm5_jax.parallel.rules import path_names
+from glm5_jax.tree_paths import path_names
 
 SIZES = {"data": 2, "fsdp": 16, "expert": 8, "tensor": 4}
 

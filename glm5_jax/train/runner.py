@@ -112,7 +112,8 @@ def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, elapsed
 
 
 def evaluate(cfg: ExperimentConfig, params, tokenizer) -> float | None:
-    """Mean next-token loss on the validation split (stdlib corpus only)."""
+    """Mean next-token loss on the validation split (stdlib corpus only), with the model's configured
+    attention (so a DSA run is evaluated with its top-k selection)."""
     if cfg.data.source != "stdlib" or cfg.data.validation_fraction == 0:
         return None
     from glm5_jax.train import losses
@@ -219,8 +220,8 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
         checkpointer.wait_until_finished()
         summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "resumed_from": start,
                    "first_loss": first_loss, "final_loss": last and last["loss"],
-                   "eval_loss": evaluate(cfg, state.params, tokenizer) if cfg.train.mode in ("pretrain", "sft")
-                   else None, "seconds": round(time.perf_counter() - t_start, 1)}
+                   "eval_loss": evaluate(cfg, state.params, tokenizer) if cfg.train.mode != "rl" else None,
+                   "seconds": round(time.perf_counter() - t_start, 1)}
         log("summary: " + json.dumps(summary))
         return summary
     finally:

@@ -6,11 +6,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from param_fill import random_params  # noqa: F401  (used by the generation tests)
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.data.rollouts import make_batch, validate_record
 from glm5_jax.generation import SamplingParams, generate, to_rollout_records
-from glm5_jax.model.transformer import forward, init
+from glm5_jax.model.transformer import forward
 from glm5_jax.train.rl import RLConfig
 from glm5_jax.train.token_logprobs import token_logprobs
 
@@ -35,24 +36,6 @@ MAX_LEN = max(map(len, PROMPTS)) + MAX_NEW + NUM_DRAFT
 SEQ_LEN = max(map(len, PROMPTS)) + MAX_NEW
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
 
-
-
-def random_params(config, seed):
-    """The pytree `init` builds, filled like `init` fills it (norm scales 1, biases 0, every other leaf
-    N(0, initializer_range)) from numpy: eager `init` compiles hundreds of small ops, which dominates a CPU run."""
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            value = np.ones(leaf.shape)
-        elif name in ("bias", "e_score_correction_bias"):
-            value = np.zeros(leaf.shape)
-        else:
-            value = config.initializer_range * rng.standard_normal(leaf.shape)
-        return jnp.asarray(value, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(config, jax.random.key(0))))
 
 
 jit_forward = jax.jit(forward, static_argnames=("config", "collect_routing", "mtp_steps", "return_logits"))

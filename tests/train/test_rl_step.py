@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 
+from param_fill import random_params
+
 from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.data.rollouts import RolloutError
 from glm5_jax.generation import SamplingParams, generate, to_rollout_records
@@ -31,26 +33,9 @@ RL = RLStepConfig(objective=RLConfig(loss="double_sided_is", eps_low=0.2, eps_hi
 TRAIN = TrainConfig(mode="rl", batch_size=8, seq_len=SEQ_LEN, microbatches=2, bias_update_rate=0.0)
 
 
-def random_params(config, seed):
-    """`init`'s pytree filled from numpy (eager init compiles many small ops): scales 1, biases 0, rest normal."""
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            value = np.ones(leaf.shape)
-        elif name in ("bias", "e_score_correction_bias"):
-            value = np.zeros(leaf.shape)
-        else:
-            value = 0.3 * rng.standard_normal(leaf.shape)  # large enough for routing to depend on the input
-        return jnp.asarray(value, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(config, jax.random.key(0))))
-
-
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CONFIG, seed=0)
+    return random_params(CONFIG, seed=0, std=0.3)  # large enough for routing to depend on the input
 
 
 @pytest.fixture(scope="module")

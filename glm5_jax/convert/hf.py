@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from glm5_jax.config import ModelConfig, model_config_from_hf
+from glm5_jax.model.transformer import full_indexer_slots
 
 
 class ConversionError(ValueError):
@@ -85,7 +86,7 @@ def to_hf_state_dict(params: dict, config: ModelConfig, *, fused_experts: bool =
     """Export to HF tensor names. `fused_experts=False` gives the released checkpoint layout."""
     params = jax.tree.map(np.asarray, params)
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": params["embed"]["embedding"]}
-    slots = np.cumsum([t == "full" for t in config.layer_indexer_types]) - 1
+    slots = full_indexer_slots(config)
     for layer_idx in range(config.num_hidden_layers):
         dense = layer_idx < config.num_dense_layers
         stack = params["dense_layers"] if dense else params["moe_layers"]

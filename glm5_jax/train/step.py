@@ -9,7 +9,6 @@ denominator computed from the batch's masks before any gradient is taken.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -55,7 +54,7 @@ def validate_batch(batch: dict, model_config: ModelConfig, train_config: TrainCo
                              f"vocabulary [0, {model_config.vocab_size})")
 
 
-def _denominators(batch: dict, model_config: ModelConfig, mode: str, mtp_steps: int) -> dict:
+def _denominators(batch: dict, model_config: ModelConfig, mtp_steps: int) -> dict:
     """Global loss denominators from the masks alone (they do not depend on parameters)."""
     tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
     _, weight = losses.next_token_targets(tokens, seg, mask)
@@ -133,7 +132,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
         if mode == "rl":
             dens = objective_fn.denominators(batch)
         else:
-            dens = _denominators(batch, model_config, mode, mtp_steps)
+            dens = _denominators(batch, model_config, mtp_steps)
         micro = _split_microbatches({k: batch[k] for k in batch}, train_config.microbatches)
 
         def accumulate(carry, mb):
@@ -200,6 +199,3 @@ def _metrics(sums: dict, dens: dict, counts: dict, grads, batch: dict, train_con
         metrics["expert_load_mean"] = load.mean(-1)
     return metrics
 
-
-def with_mode(train_config: TrainConfig, mode: str) -> TrainConfig:
-    return dataclasses.replace(train_config, mode=mode).validate()

@@ -96,18 +96,10 @@ def _stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.special_token_id(name) for name in STOP_TOKENS)
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255; special tokens get ids from 256 in registration order."""
+class _SpecialTokenLookup:
+    """What both tokenizers answer from their `_special_ids` map (name -> id)."""
 
-    def __init__(self, extra_special_tokens: Sequence[str] = ()):
-        self._special_ids: dict[str, int] = {}
-        self._special_names: list[str] = []
-        self.add_special_tokens(GLM_SPECIAL_TOKENS)
-        self.add_special_tokens(extra_special_tokens)
-
-    @property
-    def vocab_size(self) -> int:
-        return NUM_BYTES + len(self._special_names)
+    _special_ids: dict[str, int]
 
     @property
     def eos_id(self) -> int:
@@ -119,6 +111,20 @@ class ByteTokenizer:
 
     def special_token_id(self, name: str) -> int | None:
         return self._special_ids.get(name)
+
+
+class ByteTokenizer(_SpecialTokenLookup):
+    """UTF-8 bytes as ids 0..255; special tokens get ids from 256 in registration order."""
+
+    def __init__(self, extra_special_tokens: Sequence[str] = ()):
+        self._special_ids: dict[str, int] = {}
+        self._special_names: list[str] = []
+        self.add_special_tokens(GLM_SPECIAL_TOKENS)
+        self.add_special_tokens(extra_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_BYTES + len(self._special_names)
 
     def add_special_tokens(self, names: Sequence[str]) -> list[int]:
         """Registers names not yet known (new ids appended); returns the id of every name."""
@@ -176,7 +182,7 @@ class ByteTokenizer:
         return "".join(pieces)
 
 
-class HFTokenizer:
+class HFTokenizer(_SpecialTokenLookup):
     """A Hugging Face `tokenizer.json` via the `tokenizers` package; GLM specials it lacks are added."""
 
     def __init__(self, path: str | os.PathLike, extra_special_tokens: Sequence[str] = ()):
@@ -202,17 +208,6 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._with_specials.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eos_id(self) -> int:
-        return self.special_token_id(END_OF_TEXT)
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        return _stop_ids(self)
-
-    def special_token_id(self, name: str) -> int | None:
-        return self._special_ids.get(name)
 
     def add_special_tokens(self, names: Sequence[str]) -> list[int]:
         """Adds names that are not special tokens yet; existing ones keep the tokenizer's own ids."""

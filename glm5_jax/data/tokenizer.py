@@ -97,7 +97,8 @@ def _stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
 
 
 class _SpecialTokenLookup:
-    """What both tokenizers answer from their `_special_ids` map (name -> id)."""
+    """What both tokenizers share: lookups in their `_special_ids` map (name -> id), and `encode` as the ids
+    of their own `encode_with_offsets`."""
 
     _special_ids: dict[str, int]
 
@@ -111,6 +112,9 @@ class _SpecialTokenLookup:
 
     def special_token_id(self, name: str) -> int | None:
         return self._special_ids.get(name)
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        return self.encode_with_offsets(text, allow_special=allow_special)[0]
 
 
 class ByteTokenizer(_SpecialTokenLookup):
@@ -137,9 +141,6 @@ class ByteTokenizer(_SpecialTokenLookup):
         alternatives = sorted(self._special_names, key=len, reverse=True)
         self._special_pattern = re.compile("|".join(re.escape(name) for name in alternatives))
         return [self._special_ids[name] for name in names]
-
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        return self.encode_with_offsets(text, allow_special=allow_special)[0]
 
     def encode_with_offsets(
         self, text: str, *, allow_special: bool = False
@@ -222,9 +223,6 @@ class HFTokenizer(_SpecialTokenLookup):
                 if token.special
             }
         return [self._special_ids[name] for name in names]
-
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        return self.encode_with_offsets(text, allow_special=allow_special)[0]
 
     def encode_with_offsets(
         self, text: str, *, allow_special: bool = False

@@ -24,7 +24,7 @@ def _fail(field: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{field}={value!r} is invalid: {valid}")
 
 
-ATTENTION_BACKENDS = ("dense", "sparse", "pallas")
+ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -73,7 +73,8 @@ class ModelConfig:
     num_nextn_predict_layers: int = 1
     mtp_num_steps: int = 3
     # JAX-side choices.
-    attention_backend: str = "sparse"
+    # "auto" picks "dense" or "sparse" per call from the shapes (model/attention.py: choose_backend).
+    attention_backend: str = "auto"
     moe_backend: str = "ragged"
     # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each
     # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.

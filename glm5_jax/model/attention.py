@@ -6,6 +6,7 @@ Two mathematically equal forms:
 - absorbed / MQA (backends `sparse`, `pallas`): W_UK is folded into the query (q_lat = q_nope @ W_UK_h), all
   heads attend over the shared 576-wide latent rows [c ; k_rope] of the selected keys only, and W_UV maps the
   512-wide latent output back to each head's value space. Memory and compute grow with the top-k N, not T.
+Backend `auto` picks `dense` or `sparse` per call from the static shapes (`choose_backend`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from glm5_jax.model.masks import selected_mask, visible_keys
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
 LATENT_NORM_EPS = 1e-6
+
+# Backend "auto": the masked dense form while T <= 4 N. Gathering N latent rows per query and running
+# [H, C+R] x [C+R, N] matmuls per query costs ~4-5x more time per FLOP than the dense form's large matmuls
+# (measured on CPU: small config 368 vs 138 ms fwd+bwd at T/N = 4; tiny 39 vs 54 ms at T/N = 16; see
+# benchmarks/BENCHMARKS.md), so the dense form wins until it does ~4x the sparse work. The [B, H, S, T]
+# probabilities it keeps for the backward pass are capped too, so long sequences always take the gather.
+AUTO_DENSE_MAX_KEYS_PER_SELECTED = 4
+AUTO_DENSE_MAX_SCORE_BYTES = 1 << 30
 
 
 def init_attention(config: ModelConfig, key: jax.Array, dtype) -> dict:
@@ -76,8 +85,12 @@ def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: Mod
     k_rope = proj["cache"][..., config.kv_lora_rank:]
     k_nope = jnp.einsum("BTC,CHK->BTHK", latent, w_uk)
     values = jnp.einsum("BTC,CHP->BTHP", latent, w_uv)
-    logits = (jnp.einsum("BSHK,BTHK->BHST", proj["q_nope"], k_nope)
-              + jnp.einsum("BSHR,BTR->BHST", proj["q_rope"], k_rope)).astype(jnp.float32)
+    # One contraction over [nope ; rope] (the rope key broadcast to every head): a single matmul instead of
+    # two plus an add of [B, H, S, T] tensors.
+    queries = jnp.concatenate([proj["q_nope"], proj["q_rope"]], axis=-1)
+    keys = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))],
+                           axis=-1)
+    logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
     logits = jnp.where(allowed[:, None], logits * config.softmax_scale, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
@@ -116,10 +129,20 @@ def latent_to_heads(params: dict, latent_out: jax.Array, config: ModelConfig) ->
     return jnp.einsum("BSHC,CHP->BSHP", latent_out, w_uv)
 
 
+def choose_backend(config: ModelConfig, batch: int, num_queries: int, num_keys: int) -> str:
+    """The backend a call runs: the configured one, or for "auto" "dense" / "sparse" from static shapes."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    score_bytes = 4 * batch * config.num_attention_heads * num_queries * num_keys
+    few_keys = num_keys <= AUTO_DENSE_MAX_KEYS_PER_SELECTED * config.index_topk
+    return "dense" if few_keys and score_bytes <= AUTO_DENSE_MAX_SCORE_BYTES else "sparse"
+
+
 def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Array, k_segment_ids: jax.Array,
            config: ModelConfig, q_offset: int | jax.Array = 0) -> jax.Array:
     """Attention over the selected keys with the configured backend; returns [B, S, D]."""
-    backend = config.attention_backend
+    batch, num_queries = proj["q_nope"].shape[:2]
+    backend = choose_backend(config, batch, num_queries, proj["cache"].shape[1])
     if backend == "dense":
         num_keys = proj["cache"].shape[1]
         allowed = visible_keys(q_segment_ids, k_segment_ids, q_offset) & selected_mask(indices, num_keys)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.layers import normal_init, swiglu
 
 
@@ -92,37 +93,6 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -
     gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
     up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
-
-
-def experts_blocked(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                    block: int = 128) -> jax.Array:
-    """Dropless grouped matmul without `ragged_dot`: assignments sorted by expert and laid out in fixed-size
-    blocks, each block belonging to one expert (groups padded to a multiple of `block`), then one batched
-    matmul per projection. XLA's CPU `ragged_dot` multiplies every row by every expert and masks, i.e. E
-    times the useful work; this layout does ~1x (plus padding). The block count has a static bound."""
-    n_tokens, top_k = expert_ids.shape
-    n_experts = experts["gate_proj"].shape[0]
-    n_assign = n_tokens * top_k
-    block = max(1, min(block, n_assign))
-    n_blocks = -(-(n_assign + n_experts * (block - 1)) // block)  # every group padded: a static upper bound
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids[order]
-    sizes = jnp.bincount(flat_ids, length=n_experts)
-    padded = -(-sizes // block) * block
-    padded_end = jnp.cumsum(padded)
-    row = (padded_end - padded)[sorted_ids] + jnp.arange(n_assign) - (jnp.cumsum(sizes) - sizes)[sorted_ids]
-    token_of_row = jnp.full((n_blocks * block,), n_tokens, jnp.int32).at[row].set(order // top_k)
-    weight_of_row = jnp.zeros((n_blocks * block,), x.dtype).at[row].set(weights.reshape(-1)[order].astype(x.dtype))
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"),
-                               n_experts - 1)
-    dtype = x.dtype
-    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), dtype)])[token_of_row].reshape(n_blocks, block, -1)
-    gate = jnp.einsum("NbD,NDF->NbF", rows, experts["gate_proj"].astype(dtype)[block_expert])
-    up = jnp.einsum("NbD,NDF->NbF", rows, experts["up_proj"].astype(dtype)[block_expert])
-    out = jnp.einsum("NbF,NFD->NbD", jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype)[block_expert])
-    out = out.reshape(n_blocks * block, -1) * weight_of_row[:, None]
-    return jnp.zeros((n_tokens + 1, x.shape[1]), dtype).at[token_of_row].add(out)[:n_tokens]
 
 
 def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:

@@ -2,6 +2,7 @@
 IndexShare, packed segments, MTP, scan, the tie-break rule, bad input."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -224,17 +225,21 @@ def test_grouped_expert_layouts_equal_the_reference(block):
     ids = jnp.asarray(np.stack([rng.choice(e - 1, a, replace=False) for _ in range(t)]), jnp.int32)  # e-1 unused
     w = jnp.asarray(rng.rand(t, a), jnp.float32)
 
-    def loss(fn, ex, xx):
-        return jnp.sum(fn(ex, xx, ids, w) ** 2)
+    def loss(fn, ex, xx, ww):
+        return jnp.sum(fn(ex, xx, ids, ww) ** 2)
 
-    reference = jax.value_and_grad(lambda ex, xx: loss(moe.experts_reference, ex, xx), argnums=(0, 1))(experts, x)
-    blocked = jax.value_and_grad(lambda ex, xx: loss(lambda *z: moe.experts_blocked(*z, block=block), ex, xx),
-                                 argnums=(0, 1))(experts, x)
-    grouped = jax.value_and_grad(lambda ex, xx: loss(lambda ex_, x_, i_, w_: jnp.zeros_like(x_).at[
-        jnp.argsort(i_.reshape(-1), stable=True) // a].add(
-        moe.grouped_swiglu(ex_, x_[jnp.argsort(i_.reshape(-1), stable=True) // a],
-                           jnp.bincount(i_.reshape(-1), length=e).astype(jnp.int32))
-        * w_.reshape(-1)[jnp.argsort(i_.reshape(-1), stable=True)][:, None]), ex, xx), argnums=(0, 1))(experts, x)
+    def grouped_ragged(ex_, x_, i_, w_):
+        order = jnp.argsort(i_.reshape(-1), stable=True)
+        sizes = jnp.bincount(i_.reshape(-1), length=e).astype(jnp.int32)
+        out = moe.grouped_swiglu(ex_, x_[order // a], sizes) * w_.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x_).at[order // a].add(out)
+
+    # Gradients in the expert weights, the tokens and the routing weights (the router learns through them).
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2))
+    reference = grad(lambda ex, xx, ww: loss(moe.experts_reference, ex, xx, ww))(experts, x, w)
+    blocked = grad(lambda ex, xx, ww: loss(lambda *z: moe.experts_blocked(*z, block=block), ex, xx, ww))(
+        experts, x, w)
+    grouped = grad(lambda ex, xx, ww: loss(grouped_ragged, ex, xx, ww))(experts, x, w)
     for got in (blocked, grouped):
         np.testing.assert_allclose(got[0], reference[0], rtol=1e-5)
         for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(reference[1])):

@@ -111,9 +111,13 @@ def blocked_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Ar
     return _blocked_swiglu_fwd(rows, gate, up, down, block_expert)[0]
 
 
+def _gate_up(gate: jax.Array, up: jax.Array, block_expert: jax.Array) -> jax.Array:
+    """Per-block [gate | up] weights [Nb, D, 2F]: one matmul twice as wide runs faster than two on CPU."""
+    return _per_block(jnp.concatenate([gate, up], axis=-1), block_expert)
+
+
 def _blocked_swiglu_fwd(rows, gate, up, down, block_expert):
-    g = jnp.einsum("NbD,NDF->NbF", rows, _per_block(gate, block_expert))
-    u = jnp.einsum("NbD,NDF->NbF", rows, _per_block(up, block_expert))
+    g, u = jnp.split(jnp.einsum("NbD,NDF->NbF", rows, _gate_up(gate, up, block_expert)), 2, axis=-1)
     out = jnp.einsum("NbF,NFD->NbD", jax.nn.silu(g) * u, _per_block(down, block_expert))
     # Residuals: activations only; the weights are re-gathered in the backward pass.
     return out, (rows, g, u, gate, up, down, block_expert)
@@ -124,20 +128,14 @@ def _blocked_swiglu_bwd(residuals, d_out):
     n_experts = gate.shape[0]
     sig = jax.nn.sigmoid(g)
     silu = g * sig
-    act = silu * u
     d_act = jnp.einsum("NbD,NFD->NbF", d_out, _per_block(down, block_expert))
-    d_down = jnp.einsum("NbF,NbD->NFD", act, d_out)
-    d_u = d_act * silu
-    d_g = d_act * u * sig * (1 + g * (1 - sig))
-    d_rows = (jnp.einsum("NbF,NDF->NbD", d_g, _per_block(gate, block_expert))
-              + jnp.einsum("NbF,NDF->NbD", d_u, _per_block(up, block_expert)))
-    d_gate = jnp.einsum("NbD,NbF->NDF", rows, d_g)
-    d_up = jnp.einsum("NbD,NbF->NDF", rows, d_u)
-    return (d_rows,
-            _sum_blocks_per_expert(d_gate, block_expert, n_experts).astype(gate.dtype),
-            _sum_blocks_per_expert(d_up, block_expert, n_experts).astype(up.dtype),
-            _sum_blocks_per_expert(d_down, block_expert, n_experts).astype(down.dtype),
-            None)
+    d_down = jnp.einsum("NbF,NbD->NFD", silu * u, d_out)
+    d_gate_up = jnp.concatenate([d_act * u * sig * (1 + g * (1 - sig)), d_act * silu], axis=-1)  # [Nb, b, 2F]
+    d_rows = jnp.einsum("NbF,NDF->NbD", d_gate_up, _gate_up(gate, up, block_expert))
+    d_gate, d_up = jnp.split(_sum_blocks_per_expert(jnp.einsum("NbD,NbF->NDF", rows, d_gate_up), block_expert,
+                                                    n_experts), 2, axis=-1)
+    return (d_rows, d_gate.astype(gate.dtype), d_up.astype(up.dtype),
+            _sum_blocks_per_expert(d_down, block_expert, n_experts).astype(down.dtype), None)
 
 
 blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)

@@ -1,4 +1,4 @@
-"""Shared pieces of the DSA kernels: masking constant, padding, backend choice, row gather, input checks.
+"""Shared pieces of the DSA kernels: masking constant, padding, backend/platform choice, row gather, input checks.
 
 Dimension letters: B batch, S query len, T key len, H heads, C kv latent, R rope dim, N top-k,
 I indexer heads, J indexer head dim.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 # Finite stand-in for -inf: a fully masked row must give a finite lse and 0 output, never NaN.
@@ -20,17 +21,28 @@ MIN_BLOCK = 16
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """None means: interpret on CPU (the only way Pallas runs there), compile elsewhere.
+    """None means: interpret on CPU (the only way Pallas runs there), compile elsewhere."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
-    Compiled kernels target GPU through Triton (the row gathers are masked pointer loads, which Mosaic
-    TPU cannot express), so a compiled call on TPU is refused before tracing.
-    """
-    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
-    if not interpret and jax.default_backend() == "tpu":
-        raise ValueError("interpret=False is not supported on TPU: these Pallas kernels compile for GPU "
-                         "(Triton); pass interpret=True, or use the jnp references in pallas_kernels.reference "
-                         "(attention backend 'sparse')")
-    return interpret
+
+PLATFORMS = ("gpu", "tpu")
+
+
+def resolve_platform(platform: str | None) -> str:
+    """Which kernels to build: "gpu" (Triton) or "tpu" (Mosaic); None = "tpu" on a TPU backend, else "gpu"."""
+    if platform is None:
+        return "tpu" if jax.default_backend() == "tpu" else "gpu"
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS} or None; got {platform!r}")
+    return platform
+
+
+def tpu_interpret(interpret: bool):
+    """pallas_call's `interpret` for the Mosaic kernels: TPU interpret mode (DMAs, semaphores, SMEM) on CPU."""
+    if not interpret:
+        return False
+    params = getattr(pltpu, "InterpretParams", None)  # absent in older JAX: plain interpret mode
+    return params() if params is not None else True
 
 
 def next_power_of_two(n: int, minimum: int = 1) -> int:

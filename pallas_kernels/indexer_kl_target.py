@@ -37,6 +37,7 @@ from pallas_kernels._common import (
     pad_axis,
     positions_and_segments,
     resolve_interpret,
+    resolve_platform,
     round_up,
     triton_params,
 )
@@ -49,6 +50,8 @@ from pallas_kernels.sparse_mla import (
     split_queries,
     validate_sparse_inputs,
 )
+from pallas_kernels.tpu_indexer import tpu_dense_target
+from pallas_kernels.tpu_sparse_mla import tpu_sparse_target
 
 # lse of rows that must add nothing to the head sum (padded heads; dense: rows without a visible key):
 # exp(logit - 1e30) = 0.
@@ -81,11 +84,12 @@ def _sparse_target_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, lse_ref, 
     lax.fori_loop(0, idx_ref.shape[0] // block_n, step, 0)
 
 
-def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, interpret=None):
+def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, interpret=None, platform=None):
     """Head-summed attention probabilities at the selected rows, L1-normalised over N; fp32 [B, S, N].
 
     q [B, S, H, C+R], latent [B, T, C+R], indices int [B, S, N] (-1 = unused), lse fp32 [B, S, H] (from
     `sparse_mla_attention`). Invalid slots get 0; a query without valid slots gets an all-zero row.
+    platform: "gpu" (Triton), "tpu" (Mosaic DMA row gathers) or None (TPU kernels on a TPU backend).
     """
     check_rank("q", q, 4, "[B, S, H, C+R]")
     width = q.shape[-1]
@@ -95,6 +99,15 @@ def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, inter
     check_equal("lse.shape", tuple(lse.shape), tuple(q.shape[:3]), "[B, S, H] of q")
     check_scale(scale)
     interpret = resolve_interpret(interpret)
+    if resolve_platform(platform) == "tpu":
+        p = tpu_sparse_target(q, latent, indices, lse, float(scale), layout, _PADDED_HEAD_LSE, interpret)
+    else:
+        p = _triton_sparse_target(q, latent, indices, lse, float(scale), layout, interpret)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(total > 0, total, 1.0)
+
+
+def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
     q_c, q_r = split_queries(q, layout)
     k_c, k_r = split_latent(latent, layout)
     idx = pad_indices(indices, layout)
@@ -104,8 +117,8 @@ def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, inter
     per_query = lambda b, s: (b, s, 0, 0)
     per_query_vec = lambda b, s: (b, s, 0)
     per_batch = lambda b, s: (b, 0, 0)
-    p = pl.pallas_call(
-        functools.partial(_sparse_target_kernel, scale=float(scale), block_n=block_n),
+    return pl.pallas_call(
+        functools.partial(_sparse_target_kernel, scale=scale, block_n=layout.block_n),
         grid=(batch, q_len),
         in_specs=[
             pl.BlockSpec((None, None, heads, c_dim), per_query),
@@ -120,8 +133,6 @@ def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, inter
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),
     )(q_c, q_r, idx, k_c, k_r, lse_p)[:, :, : layout.num_slots]
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(total > 0, total, 1.0)
 
 
 def _row_layout(values, heads_padded: int):
@@ -178,12 +189,14 @@ def _dense_target_kernel(q_c_ref, q_r_ref, q_pos_ref, q_seg_ref, k_c_ref, k_r_re
 
 
 def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                           block_s=None, block_t=64, interpret=None):
+                           block_s=None, block_t=64, interpret=None, platform=None):
     """Head-summed dense attention probabilities over all visible keys, L1-normalised; fp32 [B, S, T].
 
     q [B, S, H, C+R], latent [B, T, C+R]; key t is visible to query s iff t <= q_offset + s and (segment
     ids [B, S] / [B, T] given) the segments match. block_s: queries per program (default: 64 // padded
     H, at least 1); block_t: keys per step (power of two >= 16). A query without visible keys gets 0.
+    platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_indexer.py`: a (B, S/block_s, T/block_t) grid, block_s
+    rounded up to a multiple of 8 and block_t to 128, default block_s 256 // H) or None (TPU on a TPU backend).
     """
     check_rank("q", q, 4, "[B, S, H, C+R]")
     check_rank("latent", latent, 3, "[B, T, C+R]")
@@ -199,16 +212,19 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     check_segments(q_segment_ids, k_segment_ids, batch, q_len, k_len)
     check_q_offset(q_offset)
     check_block("block_t", block_t)
+    if block_s is not None and (not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1)):
+        raise ValueError(f"block_s must be None or a power of two >= 1; got {block_s!r}")
+    interpret = resolve_interpret(interpret)
+    q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
+    if resolve_platform(platform) == "tpu":
+        return tpu_dense_target(q, latent, q_pos, q_seg, k_seg, scale=float(scale), block_s=block_s,
+                                block_t=block_t, interpret=interpret)
     layout = MlaLayout(heads=heads, latent_dim=_split_point(width), rope_dim=width - _split_point(width),
                        num_slots=1, block_n=MIN_BLOCK)
     heads_p = layout.heads_padded
     if block_s is None:
         block_s = max(1, _DENSE_ROWS // heads_p)
-    if not isinstance(block_s, int) or block_s < 1 or block_s & (block_s - 1):
-        raise ValueError(f"block_s must be None or a power of two >= 1; got {block_s!r}")
-    interpret = resolve_interpret(interpret)
     len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
-    q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     q_pos = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_seg = pad_axis(q_seg, 1, len_p)
     k_seg = pad_axis(k_seg, 1, keys_p)

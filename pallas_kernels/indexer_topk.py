@@ -39,9 +39,11 @@ from pallas_kernels._common import (
     pad_axis,
     positions_and_segments,
     resolve_interpret,
+    resolve_platform,
     round_up,
     triton_params,
 )
+from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
 # Rows (query x indexer head) of one score tile: big enough for the tensor cores, small enough for registers.
 _TILE_ROWS = 128
@@ -112,17 +114,22 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
     return scores[:, :q_len, :k_len]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret):
-    return _scores_call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
+def _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform):
+    call = tpu_indexer_scores if platform == "tpu" else _scores_call
+    return call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
 
 
-def _scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret):
-    out = _scores_call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform):
+    return _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform)
+
+
+def _scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform):
+    out = _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform)
     return out, (q, k, w, q_pos, q_seg, k_seg)
 
 
-def _scores_bwd(block_t, bwd_query_chunk, interpret, residuals, d_scores):
+def _scores_bwd(block_t, bwd_query_chunk, interpret, platform, residuals, d_scores):
     """jnp backward over query chunks: a [B, chunk, I, T] fp32 block at a time, never [B, S, I, T]."""
     q, k, w, q_pos, q_seg, k_seg = residuals
     batch, q_len, heads, head_dim = q.shape
@@ -193,32 +200,33 @@ def _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
 
 
 def indexer_scores(q_index, k_index, weights, *, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                   block_t=64, bwd_query_chunk=64, interpret=None):
+                   block_t=64, bwd_query_chunk=64, interpret=None, platform=None):
     """Masked fp32 index scores [B, S, T] (the dense warm-up's logits); invisible keys get NEG_INF.
 
     q_index [B, S, I, J] (roped), k_index [B, T, J], weights [B, S, I] (already scaled); segment ids
     [B, S] / [B, T] or both None; q_offset: position of query 0 (int or integer scalar array).
     Differentiable in q_index, k_index and weights; the backward holds a [B, bwd_query_chunk, I, T]
-    fp32 block at a time.
+    fp32 block at a time. platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_indexer.py`; block_t is rounded
+    up to a multiple of 128 there) or None (TPU kernels on a TPU backend).
     """
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
     operands = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
-    return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret))
+    return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret), resolve_platform(platform))
 
 
 def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                 query_chunk=256, block_t=64, interpret=None):
+                 query_chunk=256, block_t=64, interpret=None, platform=None):
     """Top-k keys per query: (indices int32 [B, S, N], scores fp32 [B, S, N]) with N = min(topk, T).
 
     Indices are ordered by descending score, ties broken like jax.lax.top_k (lowest index first); slots
     on invisible keys hold -1 and score NEG_INF. Scores are differentiable like `indexer_scores`'.
-    Memory: one [B, query_chunk, T] fp32 score block at a time.
+    Memory: one [B, query_chunk, T] fp32 score block at a time. platform: as in `indexer_scores`.
     """
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("topk", topk)
     check_positive_int("query_chunk", query_chunk)
-    interpret = resolve_interpret(interpret)
+    interpret, platform = resolve_interpret(interpret), resolve_platform(platform)
     q, k, w, q_pos, q_seg, k_seg = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
     batch, q_len, heads, _ = q.shape
     k_len = k.shape[1]
@@ -235,7 +243,7 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
             return lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
 
         pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
-        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret)
+        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret, platform)
         values, indices = lax.top_k(scores, num_selected)
         picked_seg = jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
         visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)

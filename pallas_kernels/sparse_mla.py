@@ -39,6 +39,7 @@ from pallas_kernels._common import (
     next_power_of_two,
     pad_axis,
     resolve_interpret,
+    resolve_platform,
     round_up,
     triton_params,
 )
@@ -269,48 +270,72 @@ def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpre
     return (out, lse), (q, latent, indices, out, lse)
 
 
-def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
-    q, latent, indices, out, lse = residuals
-    d_out, d_lse = cotangents
-    batch, q_len = q.shape[:2]
-    num_keys = latent.shape[1]
-    chunk = min(bwd_query_chunk, q_len)
+def backward_shift(out, d_out, d_lse):
+    """do.out - d lse per (query, head), fp32 [B, S, H]: d loss / d logit = p * (do.v - shift)."""
+    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
+
+
+def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift, *, chunk: int):
+    """Sparse MLA backward over bounded query chunks; shared by the Triton and the TPU kernels.
+
+    q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
+    [B, S, Np] (-1 = unused); d_out [B, S, Hp, *]; lse, shift fp32 [B, S, Hp]. For one chunk of queries,
+    chunk_kernel(q_parts, idx, latent_parts, d_out, lse, shift) returns (dq_parts, dk_parts): dq like
+    q_parts and per-(query, slot) head-summed row gradients dk fp32 [B, chunk, Np, *] like latent_parts.
+    Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
+    Returns (dq_parts [B, S, Hp, *], d(latent) parts fp32 [B, T, *]).
+    """
+    batch, q_len = idx.shape[:2]
+    num_keys = latent_parts[0].shape[1]
+    chunk = min(chunk, q_len)
     padded_len = round_up(q_len, chunk)
 
     def pad_queries(x, value=0):
         return pad_axis(x, 1, padded_len, value)
 
-    shift = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
-    q_c, q_r = (pad_queries(x) for x in split_queries(q, layout))
-    k_c, k_r = split_latent(latent, layout)
-    idx = pad_queries(pad_indices(indices, layout), value=-1)
-    do_c = pad_queries(split_queries(d_out.astype(q.dtype), layout)[0])
-    lse_p = pad_queries(pad_axis(lse, 2, layout.heads_padded))
-    shift_p = pad_queries(pad_axis(shift, 2, layout.heads_padded))
+    q_parts = tuple(pad_queries(x) for x in q_parts)
+    idx = pad_queries(idx, value=-1)
+    d_out, lse, shift = pad_queries(d_out), pad_queries(lse), pad_queries(shift)
 
     def chunk_step(c, carry):
-        dq_c, dq_r, dlat_c, dlat_r = carry
+        dq_parts, dlat_parts = carry
         start = c * chunk
 
         def take(x):
             return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
 
         idx_chunk = take(idx)
-        dq_c_chunk, dq_r_chunk, dk_c, dk_r = _backward_call(
-            take(q_c), take(q_r), idx_chunk, k_c, k_r, take(do_c), take(lse_p), take(shift_p),
-            scale=scale, layout=layout, interpret=interpret)
+        dq_chunk, dk_chunk = chunk_kernel(tuple(take(x) for x in q_parts), idx_chunk, latent_parts, take(d_out),
+                                          take(lse), take(shift))
         rows = jnp.where((idx_chunk >= 0) & (idx_chunk < num_keys), idx_chunk, num_keys).reshape(batch, -1)
-        dlat_c = _scatter_add_rows(dlat_c, rows, dk_c.reshape(batch, rows.shape[1], -1))
-        dlat_r = _scatter_add_rows(dlat_r, rows, dk_r.reshape(batch, rows.shape[1], -1))
-        dq_c = lax.dynamic_update_slice_in_dim(dq_c, dq_c_chunk, start, axis=1)
-        dq_r = lax.dynamic_update_slice_in_dim(dq_r, dq_r_chunk, start, axis=1)
-        return dq_c, dq_r, dlat_c, dlat_r
+        dlat_parts = tuple(_scatter_add_rows(acc, rows, dk.reshape(batch, rows.shape[1], -1))
+                           for acc, dk in zip(dlat_parts, dk_chunk))
+        dq_parts = tuple(lax.dynamic_update_slice_in_dim(acc, dq, start, axis=1)
+                         for acc, dq in zip(dq_parts, dq_chunk))
+        return dq_parts, dlat_parts
 
-    init = (jnp.zeros_like(q_c), jnp.zeros_like(q_r), jnp.zeros(k_c.shape, jnp.float32),
-            jnp.zeros(k_r.shape, jnp.float32))
-    dq_c, dq_r, dlat_c, dlat_r = lax.fori_loop(0, padded_len // chunk, chunk_step, init)
+    init = (tuple(jnp.zeros_like(x) for x in q_parts),
+            tuple(jnp.zeros(x.shape, jnp.float32) for x in latent_parts))
+    dq_parts, dlat_parts = lax.fori_loop(0, padded_len // chunk, chunk_step, init)
+    return tuple(x[:, :q_len] for x in dq_parts), dlat_parts
+
+
+def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+    q, latent, indices, out, lse = residuals
+    d_out, d_lse = cotangents
+    do_c = split_queries(d_out.astype(q.dtype), layout)[0]
+
+    def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
+        dq_c, dq_r, dk_c, dk_r = _backward_call(*q_parts, idx, *latent_parts, do, lse_c, shift_c, scale=scale,
+                                                layout=layout, interpret=interpret)
+        return (dq_c, dq_r), (dk_c, dk_r)
+
+    (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
+        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), pad_indices(indices, layout), do_c,
+        pad_axis(lse, 2, layout.heads_padded), pad_axis(backward_shift(out, d_out, d_lse), 2, layout.heads_padded),
+        chunk=bwd_query_chunk)
     heads, c_dim, r_dim = layout.heads, layout.latent_dim, layout.rope_dim
-    dq = jnp.concatenate([dq_c[:, :q_len, :heads, :c_dim], dq_r[:, :q_len, :heads, :r_dim]], axis=-1)
+    dq = jnp.concatenate([dq_c[:, :, :heads, :c_dim], dq_r[:, :, :heads, :r_dim]], axis=-1)
     dlatent = jnp.concatenate([dlat_c[..., :c_dim], dlat_r[..., :r_dim]], axis=-1)
     return dq.astype(q.dtype), dlatent.astype(latent.dtype), None
 
@@ -319,7 +344,7 @@ _sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 
 def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=256,
-                         interpret=None):
+                         interpret=None, platform=None):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
 
     q: [B, S, H, C+R] absorbed queries; latent: [B, T, C+R] (keys = whole rows, values = first C columns);
@@ -329,8 +354,14 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     block_n: selected rows per online-softmax step (power of two >= 16; N is padded to a multiple).
     bwd_query_chunk: queries per backward step; bounds the per-slot gradient buffer to
     B * bwd_query_chunk * N * (C+R) fp32 values. Differentiable in q and latent, through out and lse.
+    platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_sparse_mla.py`) or None (TPU kernels on a TPU backend).
     """
     layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
     check_scale(scale)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
-    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, resolve_interpret(interpret))
+    interpret = resolve_interpret(interpret)
+    if resolve_platform(platform) == "tpu":
+        from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla  # imports this module: import on use
+
+        return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
+    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)

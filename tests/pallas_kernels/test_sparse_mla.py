@@ -148,10 +148,3 @@ def test_bad_input_is_rejected_before_compiling(change, message):
     with pytest.raises(ValueError, match=message):
         sparse_mla_attention(args.pop("q"), args.pop("latent"), args.pop("indices"), **args)
 
-
-def test_compiled_call_on_tpu_is_refused(monkeypatch):
-    """The gathers are Triton pointer loads: a compiled call on TPU must fail early with a clear message."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match="interpret=False is not supported on TPU"):
-        sparse_mla_attention(jnp.zeros((1, 2, 4, 48)), jnp.zeros((1, 6, 48)), jnp.zeros((1, 2, 3), jnp.int32),
-                             scale=0.1, kv_lora_rank=32, interpret=False)

@@ -1,0 +1,276 @@
+"""Mosaic TPU versions of sparse MLA attention (forward + backward) and of the sparse KL target.
+
+Same math and contract as `sparse_mla.py` / `indexer_kl_target.py`; what differs is how a query's selected
+rows reach the kernel. Mosaic has no pointer gathers, so the latent stays in HBM (memory_space ANY) and
+each program (one query, its H heads as matmul rows) copies its selected rows into a VMEM scratch with one
+DMA per row, block_n rows per block, reading the row numbers as scalars from its [N/block_n, block_n]
+block of indices in SMEM. Invalid slots (-1 or >= T) copy row 0 and are masked in the logits. The gathers
+are double-buffered: block j+1's DMAs are started before block j is computed.
+
+TPU layout: the latent row is one lane-padded width W = C+R rounded up to 128 (GLM-5: 576 -> 640), values
+are its first V = min(C rounded up to 128, W) columns, heads are padded to a multiple of 16 (bf16 sublane
+tile); every block's last two dims equal the array's. Per-head vectors (lse, shift) travel as [.., Hp, 1].
+The backward writes each query's head-summed per-slot row gradients straight to HBM, block by block
+(two VMEM buffers), and reuses `sparse_mla.chunked_backward` for the bounded query chunks and the scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import NEG_INF, dot_nn, dot_nt, dot_tn, pad_axis, round_up, tpu_interpret
+from pallas_kernels.sparse_mla import MlaLayout, backward_shift, chunked_backward, pad_indices
+
+LANES = 128
+HEAD_MULTIPLE = 16  # bf16 packs 16 rows per (16, 128) VMEM tile
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSizes:
+    """Padded TPU sizes of one call: heads Hp, row width W, value width V (the first V columns of a row)."""
+
+    heads: int
+    width: int
+    values: int
+
+    @classmethod
+    def of(cls, layout: MlaLayout) -> TpuSizes:
+        width = round_up(layout.latent_dim + layout.rope_dim, LANES)
+        return cls(heads=round_up(layout.heads, HEAD_MULTIPLE), width=width,
+                   values=min(round_up(layout.latent_dim, LANES), width))
+
+
+def pad_queries(q: jax.Array, sizes: TpuSizes) -> jax.Array:
+    """[B, S, H, X] -> [B, S, Hp, W], zero padded (zero columns leave every dot product unchanged)."""
+    return pad_axis(pad_axis(q, 3, sizes.width), 2, sizes.heads)
+
+
+def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
+    """int [B, S, N] -> int32 [B, S, Np / block_n, block_n], padded with -1."""
+    idx = pad_indices(indices, layout)
+    return idx.reshape(*idx.shape[:2], -1, layout.block_n)
+
+
+def _valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
+    """[1, block_n] mask of block j's slots that name a row in [0, T)."""
+    idx = idx_ref[pl.ds(j, 1), :]
+    return (idx >= 0) & (idx < num_keys)
+
+
+def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
+    """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows.
+
+    Rows are DMA'd from HBM one by one into buf [2, block_n, W]; block j+1's copies are in flight while
+    block j is computed. All copies of one buffer signal its semaphore; each wait consumes one row's worth.
+    """
+    num_blocks, block_n = idx_smem.shape
+    num_keys = lat_hbm.shape[1]
+    batch = pl.program_id(0)
+
+    def row_copy(row, slot, n):
+        return pltpu.make_async_copy(lat_hbm.at[batch, pl.ds(row, 1)], buf.at[slot, pl.ds(n, 1)], sem.at[slot])
+
+    def start(j, slot):
+        def start_row(n, carry):
+            row = idx_smem[j, n]
+            row_copy(jnp.where((row >= 0) & (row < num_keys), row, 0), slot, n).start()
+            return carry
+
+        lax.fori_loop(0, block_n, start_row, 0)
+
+    def wait(slot):
+        def wait_row(n, carry):
+            row_copy(0, slot, n).wait()
+            return carry
+
+        lax.fori_loop(0, block_n, wait_row, 0)
+
+    start(0, 0)
+
+    def step(j, carry):
+        slot = lax.rem(j, 2)
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(slot)
+        return body(j, buf[slot], carry)
+
+    return lax.fori_loop(0, num_blocks, step, init)
+
+
+def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool):
+    """pallas_call over grid (B, S) for a row-gathering kernel.
+
+    Kernel arguments: idx (SMEM), idx (VMEM), latent (HBM), the per-query inputs, the outputs, then the
+    row buffer [2, block_n, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
+    per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
+    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
+    """
+    batch, q_len, _, block_n = idx.shape
+
+    def per_query_spec(shape, memory_space=None):
+        kwargs = {} if memory_space is None else dict(memory_space=memory_space)
+        return pl.BlockSpec((None, None, *shape[2:]), lambda b, s: (b, s, 0, 0), **kwargs)
+
+    out_specs = [pl.BlockSpec(memory_space=pl.ANY) if hbm else per_query_spec(shape)
+                 for shape, _, hbm in out_shapes]
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, q_len),
+        in_specs=[per_query_spec(idx.shape, pltpu.SMEM), per_query_spec(idx.shape),
+                  pl.BlockSpec(memory_space=pl.ANY), *(per_query_spec(x.shape) for x in per_query)],
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
+        scratch_shapes=[pltpu.VMEM((2, block_n, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
+                        *scratch],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret(interpret),
+    )(idx, idx, latent, *per_query)
+
+
+def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, buf, sem, *, scale, values):
+    num_keys = lat_hbm.shape[1]
+    q = q_ref[...]  # [Hp, W]
+    heads = q.shape[0]
+
+    def body(j, rows, carry):
+        row_max, row_sum, acc = carry
+        valid = _valid_slots(idx_ref, j, num_keys)
+        logits = jnp.where(valid, dot_nt(q, rows) * scale, NEG_INF)  # [Hp, block_n]
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1, keepdims=True))
+        # where(), not exp alone: while a row has seen no valid slot, logits - new_max is 0 there.
+        p = jnp.where(valid, jnp.exp(logits - new_max), 0.0)
+        rescale = jnp.exp(row_max - new_max)
+        row_sum = row_sum * rescale + jnp.sum(p, axis=1, keepdims=True)
+        acc = acc * rescale + dot_nn(p.astype(rows.dtype), rows[:, :values])
+        return new_max, row_sum, acc
+
+    init = (jnp.full((heads, 1), NEG_INF, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+            jnp.zeros((heads, values), jnp.float32))
+    row_max, row_sum, acc = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init)
+    has_valid = row_sum > 0
+    safe_sum = jnp.where(has_valid, row_sum, 1.0)
+    out_ref[...] = (acc / safe_sum).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(has_valid, row_max + jnp.log(safe_sum), NEG_INF)
+
+
+def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_ref, dq_ref, dk_hbm, buf, sem,
+                     dk_buf, dk_sem, *, scale, values):
+    num_keys = lat_hbm.shape[1]
+    num_blocks, block_n = idx_ref.shape
+    batch, query = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...]  # [Hp, W]
+    d_out = do_ref[...]  # [Hp, V]
+    lse = lse_ref[...]  # [Hp, 1]
+    shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
+
+    def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(j * block_n, block_n)],
+                                     dk_sem.at[slot])
+
+    def body(j, rows, dq):
+        slot = lax.rem(j, 2)
+        valid = _valid_slots(idx_ref, j, num_keys)
+        p = jnp.where(valid, jnp.exp(dot_nt(q, rows) * scale - lse), 0.0)  # [Hp, block_n]
+        # d loss / d logit = p * (do.v - (do.out - d lse)).
+        d_logits = (p * (dot_nt(d_out, rows[:, :values]) - shift)).astype(rows.dtype)
+
+        @pl.when(j >= 2)
+        def _():
+            dk_copy(j - 2, slot).wait()  # the buffer's previous block has left VMEM
+
+        # Per-slot row gradients, summed over heads: key part over all W columns plus value part.
+        dk_buf[slot] = scale * dot_tn(d_logits, q)
+        dk_buf[slot, :, :values] += dot_tn(p.astype(d_out.dtype), d_out)
+        dk_copy(j, slot).start()
+        return dq + dot_nn(d_logits, rows)
+
+    dq = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32))
+    for j in range(max(0, num_blocks - 2), num_blocks):  # the copies still in flight
+        dk_copy(j, j % 2).wait()
+    dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
+
+
+def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
+    sizes = TpuSizes.of(layout)
+    q_p = pad_queries(q, sizes)
+    batch, q_len = q.shape[:2]
+    out, lse = _gather_call(
+        functools.partial(_forward_kernel, scale=scale, values=sizes.values),
+        block_indices(indices, layout), pad_axis(latent, 2, sizes.width), [q_p],
+        [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
+         ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
+        interpret=interpret)
+    return out[:, :, : layout.heads, : layout.latent_dim], lse[:, :, : layout.heads, 0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def tpu_sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    """The TPU kernels behind `sparse_mla_attention(..., platform="tpu")` (inputs already validated)."""
+    return _forward(q, latent, indices, scale, layout, interpret)
+
+
+def _tpu_sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    out, lse = _forward(q, latent, indices, scale, layout, interpret)
+    return (out, lse), (q, latent, indices, out, lse)
+
+
+def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+    q, latent, indices, out, lse = residuals
+    d_out, d_lse = cotangents
+    sizes = TpuSizes.of(layout)
+    kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values)
+
+    def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
+        (q_c,), (lat,) = q_parts, latent_parts
+        idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
+        dq, dk = _gather_call(
+            kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
+            [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
+            scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+            interpret=interpret)
+        return (dq,), (dk,)
+
+    do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
+    (dq,), (dlatent,) = chunked_backward(
+        chunk_kernel, (pad_queries(q, sizes),), (pad_axis(latent, 2, sizes.width),), pad_indices(indices, layout),
+        do_p, pad_axis(lse, 2, sizes.heads), pad_axis(backward_shift(out, d_out, d_lse), 2, sizes.heads),
+        chunk=bwd_query_chunk)
+    width = q.shape[-1]
+    return (dq[:, :, : layout.heads, :width].astype(q.dtype), dlatent[..., :width].astype(latent.dtype), None)
+
+
+tpu_sparse_mla.defvjp(_tpu_sparse_mla_fwd, _tpu_sparse_mla_bwd)
+
+
+def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale):
+    num_keys = lat_hbm.shape[1]
+    q = q_ref[...]  # [Hp, W]
+    lse = lse_ref[...]  # [Hp, 1]; padded heads +1e30, so their probabilities are 0
+
+    def body(j, rows, carry):
+        valid = _valid_slots(idx_ref, j, num_keys)
+        p = jnp.where(valid, jnp.exp(dot_nt(q, rows) * scale - lse), 0.0)
+        out_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
+        return carry
+
+    _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0)
+
+
+def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_head_lse: float, interpret: bool):
+    """Head sum of exp(scale q_h.k_n - lse_h) at the selected rows, fp32 [B, S, N], not normalised."""
+    sizes = TpuSizes.of(layout)
+    idx = block_indices(indices, layout)
+    lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
+    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, pad_axis(latent, 2, sizes.width),
+                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret)
+    return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

@@ -24,25 +24,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.peak import matmul_peak_flops
 from benchmarks.train_step_vs_hf import CONFIGS, OPTIM, lm_batch, token_batches, train_config_for
 from glm5_jax.model import flops
 from glm5_jax.model.transformer import init
 from glm5_jax.train.optim import make_optimizer
 from glm5_jax.train.step import init_train_state, make_train_step
-
-
-def matmul_peak_flops(size: int, repeats: int, dtype=jnp.float32) -> float:
-    """Best FLOP/s of a [size, size] @ [size, size] product (2 size^3 FLOPs) over `repeats` runs."""
-    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
-    b = jax.random.normal(jax.random.key(1), (size, size), dtype)
-    dot = jax.jit(jnp.dot)
-    jax.block_until_ready(dot(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(dot(a, b))
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def step_tokens_per_s(config, batch: int, seq: int, steps: int, warmup: int, seed: int) -> float:

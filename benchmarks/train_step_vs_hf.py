@@ -8,7 +8,11 @@ token batches, fp32, MTP off (HF has none). Measured in one process, after warm-
   forward  the mean next-token loss without gradients (glm5_jax: jitted forward + chunked cross-entropy;
            HF: torch.no_grad() forward with labels)
 One JSON line per (config, phase) with both tokens/s and `ratio` = glm5_jax / HF; the first-step losses of
-both are printed too, as a check that the two models really hold the same weights.
+both are printed too, as a check that the two models really hold the same weights. Each line also carries
+both sides' model FLOP/s (analytic FLOPs per token from `glm5_jax.model.flops`, the same count for both)
+against the fp32 matmul peak of jax and of torch measured in the same run, and `ratio_ceiling`: the ratio
+glm5_jax would reach at 100% of the jax peak, i.e. the most any implementation could gain on this machine
+over the reference at its measured speed.
 
   PYTHONPATH=. python benchmarks/train_step_vs_hf.py [--configs tiny small] [--steps 5] [--threads 2]
 """
@@ -26,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.peak import matmul_peak_flops, torch_matmul_peak_flops
 from glm5_jax.config import ModelConfig, TrainConfig
+from glm5_jax.model import flops
 from glm5_jax.model.transformer import forward, init
 from glm5_jax.train import losses
 from glm5_jax.train.optim import OptimConfig, make_optimizer
@@ -156,6 +162,10 @@ def hf_forward_runner(model):
     return run
 
 
+def measure_peaks(repeats: int = 5, size: int = 2048) -> dict:
+    return {"jax": matmul_peak_flops(size, repeats), "torch": torch_matmul_peak_flops(size, repeats)}
+
+
 def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, warmup: int, seed: int) -> list[dict]:
     params = jax.device_get(init(config, jax.random.key(seed)))
     inputs = token_batches(config, batch, seq, warmup + steps, seed + 1)
@@ -165,6 +175,7 @@ def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, wa
         "train": (jax_train_runner(params, config, batch, seq), hf_train_runner(model)),
     }
     rows = []
+    peaks = measure_peaks()
     for phase, (jax_run, hf_run) in runners.items():
         jax_times, jax_loss = timed(jax_run, inputs, warmup)
         hf_times, hf_loss = timed(hf_run, inputs, warmup)
@@ -176,6 +187,19 @@ def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, wa
             "ratio": round(jax_tps / hf_tps, 3), "glm5_jax_step_ms": round(1e3 * statistics.median(jax_times), 1),
             "hf_step_ms": round(1e3 * statistics.median(hf_times), 1), "first_loss_glm5_jax": round(jax_loss, 5),
             "first_loss_hf": round(hf_loss, 5), "hf_experts_impl": str(model.config._experts_implementation),
+        })
+    # Peaks before and after the timed steps, best of both: background load lowers everything alike.
+    later = measure_peaks()
+    peaks = {k: max(v, later[k]) for k, v in peaks.items()}
+    for row in rows:
+        per_token = (flops.training_flops_per_token if row["phase"] == "train" else flops.forward_flops_per_token)(
+            config, seq, mtp_steps=0)
+        jax_flops, hf_flops = per_token * row["glm5_jax_tokens_per_s"], per_token * row["hf_tokens_per_s"]
+        row.update({
+            "model_mflop_per_token": round(per_token / 1e6, 2),
+            "jax_peak_gflops": round(peaks["jax"] / 1e9, 1), "torch_peak_gflops": round(peaks["torch"] / 1e9, 1),
+            "glm5_jax_mfu": round(jax_flops / peaks["jax"], 4), "hf_mfu": round(hf_flops / peaks["torch"], 4),
+            "ratio_ceiling": round(peaks["jax"] / hf_flops, 2),
         })
     return rows
 

@@ -151,8 +151,10 @@ def _sparse_latent_bwd(scale, kv_lora_rank, residuals, cotangents):
               + jnp.einsum("BSHN,BSHX->BSNX", probs.astype(q.dtype), d_out_wide))
     num_keys = cache.shape[1]
     targets = jnp.where(valid, indices, num_keys)  # unused slots land out of range and are dropped
-    d_cache = jax.vmap(lambda z, i, v: z.at[i].add(v, mode="drop"))(jnp.zeros_like(cache), targets, d_rows)
-    return d_q, d_cache, None
+    # fp32 accumulation: a row chosen by many queries sums many contributions.
+    d_cache = jax.vmap(lambda z, i, v: z.at[i].add(v, mode="drop"))(
+        jnp.zeros(cache.shape, jnp.float32), targets, d_rows.astype(jnp.float32))
+    return d_q, d_cache.astype(cache.dtype), None
 
 
 _sparse_latent_core.defvjp(_sparse_latent_fwd, _sparse_latent_bwd)

@@ -271,3 +271,16 @@ def test_sparse_attention_custom_vjp_equals_autodiff():
     for got, want in zip(custom[1], autodiff[1]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(custom[1][0][1, 3]).max()) == 0.0  # no valid slot: no gradient
+
+
+def test_auto_attention_backend_picks_dense_only_for_few_keys_per_selection_and_bounded_scores():
+    from glm5_jax.model.attention import AUTO_DENSE_MAX_SCORE_BYTES, choose_backend
+
+    auto = dataclasses.replace(TINY, attention_backend="auto")
+    n = auto.index_topk
+    assert choose_backend(auto, batch=2, num_queries=4 * n, num_keys=4 * n) == "dense"
+    assert choose_backend(auto, batch=2, num_queries=4 * n + 1, num_keys=4 * n + 1) == "sparse"
+    too_big = AUTO_DENSE_MAX_SCORE_BYTES // (4 * auto.num_attention_heads * n * n) + 1
+    assert choose_backend(auto, batch=too_big, num_queries=n, num_keys=n) == "sparse"
+    for fixed in ("dense", "sparse", "pallas"):
+        assert choose_backend(dataclasses.replace(TINY, attention_backend=fixed), 1, 10**6, 10**6) == fixed

@@ -2,14 +2,13 @@
 
 XLA's CPU `ragged_dot` multiplies every row by every expert and masks: E times the useful work. Here the
 T*A assignments are sorted by expert and laid out in fixed-size row blocks, each block owned by one
-expert (every group padded to a multiple of the block), and each projection is one batched matmul
-[Nb, b, D] x [Nb, D, F]. The block count has a static upper bound, so the program shape is fixed.
+expert (every group padded to a multiple of the block). The block count has a static upper bound, so the
+program shape is fixed; a loop runs only the blocks that hold assignments, each against its expert's
+weights sliced in place.
 
-Moving rows and weights in and out of that layout is done with gathers in both directions (custom VJPs):
-XLA differentiates a gather into a scatter-add, which runs element by element on CPU, and autodiff of the
-per-block weight gather would also keep [Nb, D, F] copies of the expert weights as residuals of every
-layer. The backward here re-gathers the weights, forms per-block weight gradients and sums the blocks of
-each expert with a one-hot matmul.
+Everything has a hand-written VJP built from gathers and in-place slice updates: XLA differentiates a
+gather into a scatter-add, which runs element by element on CPU, and autodiff through per-block weight
+copies would keep [Nb, D, F] copies of the expert weights as residuals of every layer.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ class BlockLayout(NamedTuple):
     token_of_row: jax.Array   # [Nb * b] source token of each row; n_tokens for a padding row
     row_of_choice: jax.Array  # [T, A] the row holding token t's a-th choice
     block_expert: jax.Array   # [Nb] the expert that owns each block
+    n_used: jax.Array         # scalar: blocks [0, n_used) hold assignments, the rest are empty
 
 
 def block_layout(expert_ids: jax.Array, n_experts: int, block: int) -> BlockLayout:
@@ -46,7 +46,8 @@ def block_layout(expert_ids: jax.Array, n_experts: int, block: int) -> BlockLayo
         (order // top_k).astype(jnp.int32))
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"),
                                n_experts - 1).astype(jnp.int32)
-    return BlockLayout(token_of_row, row_of_choice.reshape(n_tokens, top_k), block_expert)
+    n_used = (padded_end[-1] // block).astype(jnp.int32)
+    return BlockLayout(token_of_row, row_of_choice.reshape(n_tokens, top_k), block_expert, n_used)
 
 
 @jax.custom_vjp
@@ -94,48 +95,69 @@ def _combine_bwd(residuals, d_out):
 combine_rows.defvjp(_combine_fwd, _combine_bwd)
 
 
-def _per_block(weight: jax.Array, block_expert: jax.Array) -> jax.Array:
-    return weight[block_expert]  # [E, X, Y] -> [Nb, X, Y]
+def _take(x: jax.Array, i) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
-def _sum_blocks_per_expert(per_block: jax.Array, block_expert: jax.Array, n_experts: int) -> jax.Array:
-    """[Nb, X, Y] -> [E, X, Y]: a one-hot matmul instead of a CPU scatter-add."""
-    owner = jax.nn.one_hot(block_expert, n_experts, dtype=per_block.dtype)
-    return jnp.einsum("NE,NXY->EXY", owner, per_block)
+def _put(buffer: jax.Array, value: jax.Array, i) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), i, 0)
 
 
 @jax.custom_vjp
 def blocked_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                   block_expert: jax.Array) -> jax.Array:
-    """SwiGLU of each block's rows with its expert's weights: rows [Nb, b, D] -> [Nb, b, D]."""
-    return _blocked_swiglu_fwd(rows, gate, up, down, block_expert)[0]
+                   block_expert: jax.Array, n_used: jax.Array) -> jax.Array:
+    """SwiGLU of each block's rows with its expert's weights: rows [Nb, b, D] -> [Nb, b, D].
+
+    A loop over the `n_used` blocks that hold assignments, each one [b, D] x [D, 2F] and one [b, F] x [F, D]
+    matmul against its expert's weights sliced in place: on CPU this runs ~2x faster than one batched
+    matmul over per-block weight copies, and skips the empty blocks of the static bound (blocks from
+    n_used on stay zero)."""
+    return _blocked_swiglu_fwd(rows, gate, up, down, block_expert, n_used)[0]
 
 
-def _gate_up(gate: jax.Array, up: jax.Array, block_expert: jax.Array) -> jax.Array:
-    """Per-block [gate | up] weights [Nb, D, 2F]: one matmul twice as wide runs faster than two on CPU."""
-    return _per_block(jnp.concatenate([gate, up], axis=-1), block_expert)
+def _blocked_swiglu_fwd(rows, gate, up, down, block_expert, n_used):
+    gate_up = jnp.concatenate([gate, up], axis=-1)  # [E, D, 2F]: one matmul twice as wide runs faster
+    width = gate.shape[-1]
 
+    def block(i, carry):
+        out, pre = carry
+        expert = _take(block_expert, i)
+        g_u = _take(rows, i) @ _take(gate_up, expert)
+        act = jax.nn.silu(g_u[:, :width]) * g_u[:, width:]
+        return _put(out, act @ _take(down, expert), i), _put(pre, g_u, i)
 
-def _blocked_swiglu_fwd(rows, gate, up, down, block_expert):
-    g, u = jnp.split(jnp.einsum("NbD,NDF->NbF", rows, _gate_up(gate, up, block_expert)), 2, axis=-1)
-    out = jnp.einsum("NbF,NFD->NbD", jax.nn.silu(g) * u, _per_block(down, block_expert))
-    # Residuals: activations only; the weights are re-gathered in the backward pass.
-    return out, (rows, g, u, gate, up, down, block_expert)
+    init = (jnp.zeros_like(rows), jnp.zeros((*rows.shape[:2], 2 * width), rows.dtype))
+    out, pre = jax.lax.fori_loop(0, n_used, block, init)
+    # Residuals: the pre-activations, and the weights as given (the concatenation is redone, not kept).
+    return out, (rows, pre, gate, up, down, block_expert, n_used)
 
 
 def _blocked_swiglu_bwd(residuals, d_out):
-    rows, g, u, gate, up, down, block_expert = residuals
-    n_experts = gate.shape[0]
-    sig = jax.nn.sigmoid(g)
-    silu = g * sig
-    d_act = jnp.einsum("NbD,NFD->NbF", d_out, _per_block(down, block_expert))
-    d_down = jnp.einsum("NbF,NbD->NFD", silu * u, d_out)
-    d_gate_up = jnp.concatenate([d_act * u * sig * (1 + g * (1 - sig)), d_act * silu], axis=-1)  # [Nb, b, 2F]
-    d_rows = jnp.einsum("NbF,NDF->NbD", d_gate_up, _gate_up(gate, up, block_expert))
-    d_gate, d_up = jnp.split(_sum_blocks_per_expert(jnp.einsum("NbD,NbF->NDF", rows, d_gate_up), block_expert,
-                                                    n_experts), 2, axis=-1)
-    return (d_rows, d_gate.astype(gate.dtype), d_up.astype(up.dtype),
-            _sum_blocks_per_expert(d_down, block_expert, n_experts).astype(down.dtype), None)
+    rows, pre, gate, up, down, block_expert, n_used = residuals
+    gate_up = jnp.concatenate([gate, up], axis=-1)
+    width = down.shape[1]
+
+    def block(i, carry):
+        d_rows, d_gate_up, d_down = carry
+        expert = _take(block_expert, i)
+        g, u = _take(pre, i)[:, :width], _take(pre, i)[:, width:]
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        d_o = _take(d_out, i)
+        d_act = d_o @ _take(down, expert).T
+        d_g_u = jnp.concatenate([d_act * u * sig * (1 + g * (1 - sig)), d_act * silu], axis=-1)  # [b, 2F]
+        d_rows = _put(d_rows, d_g_u @ _take(gate_up, expert).T, i)
+        # Expert weight gradients accumulate in fp32 over that expert's blocks.
+        d_gate_up = _put(d_gate_up, _take(d_gate_up, expert) + jnp.einsum(
+            "bD,bF->DF", _take(rows, i), d_g_u, preferred_element_type=jnp.float32), expert)
+        d_down = _put(d_down, _take(d_down, expert) + jnp.einsum(
+            "bF,bD->FD", silu * u, d_o, preferred_element_type=jnp.float32), expert)
+        return d_rows, d_gate_up, d_down
+
+    init = (jnp.zeros_like(rows), jnp.zeros(gate_up.shape, jnp.float32), jnp.zeros(down.shape, jnp.float32))
+    d_rows, d_gate_up, d_down = jax.lax.fori_loop(0, n_used, block, init)
+    return (d_rows, d_gate_up[..., :width].astype(gate.dtype), d_gate_up[..., width:].astype(up.dtype),
+            d_down.astype(down.dtype), None, None)
 
 
 blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)
@@ -151,5 +173,5 @@ def experts_blocked(experts: dict, x: jax.Array, expert_ids: jax.Array, weights:
     dtype = x.dtype
     rows = dispatch_rows(x, layout.token_of_row, layout.row_of_choice).reshape(-1, block, x.shape[1])
     out = blocked_swiglu(rows, experts["gate_proj"].astype(dtype), experts["up_proj"].astype(dtype),
-                         experts["down_proj"].astype(dtype), layout.block_expert)
+                         experts["down_proj"].astype(dtype), layout.block_expert, layout.n_used)
     return combine_rows(out.reshape(-1, x.shape[1]), weights, layout.token_of_row, layout.row_of_choice)

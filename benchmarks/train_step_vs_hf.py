@@ -2,7 +2,7 @@
 
 Both frameworks get the same weights (glm5_jax's init, exported through `glm5_jax.convert.hf`) and the same
 token batches, fp32, MTP off (HF has none). Measured in one process, after warm-up, as the median of
-`--steps` timed steps:
+`--steps` timed steps, glm5_jax and HF steps interleaved:
   train    glm5_jax: the jitted `make_train_step` (AdamW, clip 1.0, bias update, metrics);
            HF: model.train(), loss.backward(), clip_grad_norm_(1.0), torch.optim.AdamW.step()
   forward  the mean next-token loss without gradients (glm5_jax: jitted forward + chunked cross-entropy;
@@ -68,17 +68,19 @@ def lm_batch(tokens: np.ndarray) -> dict:
             "loss_mask": jnp.ones((b, s), jnp.int32)}
 
 
-def timed(fn, inputs: list, warmup: int) -> tuple[list[float], object]:
-    """Run fn over inputs; return the wall times of the runs after `warmup` and the first result."""
-    times, first = [], None
+def timed_interleaved(runs: tuple, inputs: list, warmup: int) -> tuple[list[list[float]], list]:
+    """Run each fn on each input in turn (a, b, a, b, ...), so drifting background load hits both sides
+    alike; return per fn the wall times of the runs after `warmup`, and per fn its first result."""
+    times, firsts = [[] for _ in runs], [None for _ in runs]
     for i, x in enumerate(inputs):
-        start = time.perf_counter()
-        out = fn(x)
-        elapsed = time.perf_counter() - start
-        first = out if i == 0 else first
-        if i >= warmup:
-            times.append(elapsed)
-    return times, first
+        for k, fn in enumerate(runs):
+            start = time.perf_counter()
+            out = fn(x)
+            elapsed = time.perf_counter() - start
+            firsts[k] = out if i == 0 else firsts[k]
+            if i >= warmup:
+                times[k].append(elapsed)
+    return times, firsts
 
 
 def train_config_for(batch: int, seq: int) -> TrainConfig:
@@ -177,8 +179,7 @@ def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, wa
     rows = []
     peaks = measure_peaks()
     for phase, (jax_run, hf_run) in runners.items():
-        jax_times, jax_loss = timed(jax_run, inputs, warmup)
-        hf_times, hf_loss = timed(hf_run, inputs, warmup)
+        (jax_times, hf_times), (jax_loss, hf_loss) = timed_interleaved((jax_run, hf_run), inputs, warmup)
         tokens = batch * seq
         jax_tps, hf_tps = tokens / statistics.median(jax_times), tokens / statistics.median(hf_times)
         rows.append({

@@ -3,7 +3,8 @@ and the ungated shared expert.
 
 Backends (config `moe_backend`):
 - `reference`: every expert on every token, weighted by the dense routing matrix (tests only);
-- `ragged`: dropless; assignments sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`;
+- `ragged`: dropless; assignments sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`
+  (on CPU, where XLA has no grouped kernel, the blocked layout of `glm5_jax.model.blocked_experts`);
 - `ep`: expert parallelism with `shard_map` (see `glm5_jax.parallel`).
 """
 

@@ -82,7 +82,6 @@ def _combine_fwd(rows, weights, token_of_row, row_of_choice):
 
 def _combine_bwd(residuals, d_out):
     rows, weights, token_of_row, row_of_choice = residuals
-    n_tokens, top_k = row_of_choice.shape
     # Each row holds one choice: its weight, scattered once into row order (R ints), then gathers.
     weight_of_row = jnp.zeros((rows.shape[0],), weights.dtype).at[row_of_choice.reshape(-1)].set(
         weights.reshape(-1))

@@ -2,7 +2,6 @@
 aux-loss-free balancing, resumable runs and clear failures."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp

@@ -214,8 +214,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-backend", default=None, choices=("dense", "sparse"),
-                        help="override the glm5_jax attention backend (default: the config's, 'sparse')")
+    parser.add_argument("--attention-backend", default=None, choices=("auto", "dense", "sparse"),
+                        help="override the glm5_jax attention backend (default: the config's, 'auto')")
+    parser.add_argument("--no-scan-layers", action="store_true",
+                        help="glm5_jax with scan_layers=false (unrolled layer stacks)")
     args = parser.parse_args(argv)
     for field in ("batch", "seq", "steps", "warmup", "threads"):
         if getattr(args, field) < 1:
@@ -238,8 +240,11 @@ def main(argv=None) -> None:
         config = CONFIGS[name]
         if args.attention_backend:
             config = dataclasses.replace(config, attention_backend=args.attention_backend)
+        if args.no_scan_layers:
+            config = dataclasses.replace(config, scan_layers=False)
         for row in measure(name, config, args.batch, args.seq, args.steps, args.warmup, args.seed):
             row["attention_backend"] = config.attention_backend
+            row["scan_layers"] = config.scan_layers
             print(json.dumps(row), flush=True)
 
 

@@ -1,5 +1,6 @@
-"""The whole model: embedding -> dense stack -> MoE stack (each run with `jax.lax.scan`) -> norm -> head,
-plus the shared-parameter MTP module. `init` builds the parameter pytree; `forward` is a pure function.
+"""The whole model: embedding -> dense stack -> MoE stack (each run with `jax.lax.scan`, unrolled when the config
+says `scan_layers: false`) -> norm -> head, plus the shared-parameter MTP module. `init` builds the parameter pytree;
+`forward` is a pure function.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _run_stack(stack: dict, indexers: dict, x: jax.Array, topk: jax.Array, ctx: 
 
     if config.remat_policy != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[config.remat_policy])
-    (x, topk), aux = jax.lax.scan(body, (x, topk), xs)
+    (x, topk), aux = jax.lax.scan(body, (x, topk), xs, unroll=not config.scan_layers)
     return x, topk, aux
 
 

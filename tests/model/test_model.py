@@ -169,6 +169,24 @@ def test_scan_keeps_the_jaxpr_independent_of_depth():
     assert size(24) == size(3)
 
 
+def test_unrolled_layers_equal_scanned_layers(params):
+    """scan_layers false (MaxText's name) unrolls the layer stacks: same logits, MTP outputs and gradients."""
+    tokens = jnp.asarray(np.random.RandomState(3).randint(0, TINY.vocab_size, (2, 12)), jnp.int32)
+    unrolled = dataclasses.replace(TINY, scan_layers=False)
+
+    def loss(p, config):
+        out = forward(p, tokens, config=config)
+        return jnp.sum(jnp.sin(out.logits)) + sum(jnp.sum(jnp.cos(h)) for h in jax.tree.leaves(out.mtp_hidden))
+
+    scanned_loss, scanned_grads = jax.value_and_grad(loss)(params, TINY)
+    unrolled_loss, unrolled_grads = jax.value_and_grad(loss)(params, unrolled)
+    np.testing.assert_allclose(unrolled_loss, scanned_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(unrolled_grads), jax.tree.leaves(scanned_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="scan_layers"):
+        dataclasses.replace(TINY, scan_layers="no").validate()
+
+
 def test_topk_tie_break_takes_the_lowest_index_first():
     # Keys 1..5 all score exactly 0 (ReLU); key 0 is invisible to nobody; k=3 must take 0 (largest) then 1, 2.
     scores = jnp.array([[[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])

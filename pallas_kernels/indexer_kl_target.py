@@ -43,9 +43,11 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.sparse_mla import (
     MlaLayout,
+    gathered_rows_in_specs,
     kernel_stages,
     kernel_warps,
     pad_indices,
+    per_query_spec,
     split_latent,
     split_queries,
     validate_sparse_inputs,
@@ -112,23 +114,13 @@ def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
     k_c, k_r = split_latent(latent, layout)
     idx = pad_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, layout.heads_padded, value=_PADDED_HEAD_LSE)
-    batch, q_len, heads, c_dim = q_c.shape
-    r_dim, num_keys, slots = q_r.shape[-1], k_c.shape[1], idx.shape[-1]
-    per_query = lambda b, s: (b, s, 0, 0)
-    per_query_vec = lambda b, s: (b, s, 0)
-    per_batch = lambda b, s: (b, 0, 0)
+    batch, q_len, heads = q_c.shape[:3]
+    slots = idx.shape[-1]
     return pl.pallas_call(
         functools.partial(_sparse_target_kernel, scale=scale, block_n=layout.block_n),
         grid=(batch, q_len),
-        in_specs=[
-            pl.BlockSpec((None, None, heads, c_dim), per_query),
-            pl.BlockSpec((None, None, heads, r_dim), per_query),
-            pl.BlockSpec((None, None, slots), per_query_vec),
-            pl.BlockSpec((None, num_keys, c_dim), per_batch),
-            pl.BlockSpec((None, num_keys, r_dim), per_batch),
-            pl.BlockSpec((None, None, heads), per_query_vec),
-        ],
-        out_specs=pl.BlockSpec((None, None, slots), per_query_vec),
+        in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads)],
+        out_specs=per_query_spec(slots),
         out_shape=jax.ShapeDtypeStruct((batch, q_len, slots), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),

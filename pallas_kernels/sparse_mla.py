@@ -154,25 +154,28 @@ def _forward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, out_ref, lse_re
     lse_ref[...] = jnp.where(has_valid, row_max + jnp.log(safe_sum), NEG_INF)
 
 
+def per_query_spec(*block):
+    """BlockSpec of a [B, S, *block] array read one (batch, query) block per program of the (B, S) grid."""
+    return pl.BlockSpec((None, None, *block), lambda b, s: (b, s) + (0,) * len(block))
+
+
+def gathered_rows_in_specs(q_c, q_r, idx, k_c) -> list:
+    """The inputs every row-gathering Triton kernel starts with: the query's latent and rope parts, its
+    indices, and the whole key rows of its batch (latent and rope parts), which the kernel gathers from."""
+    heads, width = q_c.shape[2:]
+    rope, num_keys = q_r.shape[-1], k_c.shape[1]
+    per_batch = lambda b, s: (b, 0, 0)
+    return [per_query_spec(heads, width), per_query_spec(heads, rope), per_query_spec(idx.shape[-1]),
+            pl.BlockSpec((None, num_keys, width), per_batch), pl.BlockSpec((None, num_keys, rope), per_batch)]
+
+
 def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
-    rope, num_keys = q_r.shape[-1], k_c.shape[1]
-    per_query = lambda b, s: (b, s, 0, 0)
-    per_batch = lambda b, s: (b, 0, 0)
     return pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, block_n=layout.block_n),
         grid=(batch, q_len),
-        in_specs=[
-            pl.BlockSpec((None, None, heads, width), per_query),
-            pl.BlockSpec((None, None, heads, rope), per_query),
-            pl.BlockSpec((None, None, idx.shape[-1]), lambda b, s: (b, s, 0)),
-            pl.BlockSpec((None, num_keys, width), per_batch),
-            pl.BlockSpec((None, num_keys, rope), per_batch),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, heads, width), per_query),
-            pl.BlockSpec((None, None, heads), lambda b, s: (b, s, 0)),
-        ],
+        in_specs=gathered_rows_in_specs(q_c, q_r, idx, k_c),
+        out_specs=[per_query_spec(heads, width), per_query_spec(heads)],
         out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
                    jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)],
         interpret=interpret,
@@ -216,29 +219,14 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
 
 def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
-    rope, num_keys, slots = q_r.shape[-1], k_c.shape[1], idx.shape[-1]
-    per_query = lambda b, s: (b, s, 0, 0)
-    per_query_vec = lambda b, s: (b, s, 0)
-    per_batch = lambda b, s: (b, 0, 0)
+    rope, slots = q_r.shape[-1], idx.shape[-1]
     return pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, block_n=layout.block_n),
         grid=(batch, q_len),
-        in_specs=[
-            pl.BlockSpec((None, None, heads, width), per_query),
-            pl.BlockSpec((None, None, heads, rope), per_query),
-            pl.BlockSpec((None, None, slots), per_query_vec),
-            pl.BlockSpec((None, num_keys, width), per_batch),
-            pl.BlockSpec((None, num_keys, rope), per_batch),
-            pl.BlockSpec((None, None, heads, width), per_query),
-            pl.BlockSpec((None, None, heads), per_query_vec),
-            pl.BlockSpec((None, None, heads), per_query_vec),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, heads, width), per_query),
-            pl.BlockSpec((None, None, heads, rope), per_query),
-            pl.BlockSpec((None, None, slots, width), per_query),
-            pl.BlockSpec((None, None, slots, rope), per_query),
-        ],
+        in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads, width),
+                  per_query_spec(heads), per_query_spec(heads)],
+        out_specs=[per_query_spec(heads, width), per_query_spec(heads, rope), per_query_spec(slots, width),
+                   per_query_spec(slots, rope)],
         out_shape=[
             jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
             jax.ShapeDtypeStruct(q_r.shape, q_r.dtype),

@@ -195,9 +195,9 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
            config: ModelConfig, q_offset: int | jax.Array = 0) -> jax.Array:
     """Attention over the selected keys with the configured backend; returns [B, S, D]."""
     batch, num_queries = proj["q_nope"].shape[:2]
-    backend = choose_backend(config, batch, num_queries, proj["cache"].shape[1])
+    num_keys = proj["cache"].shape[1]
+    backend = choose_backend(config, batch, num_queries, num_keys)
     if backend == "dense":
-        num_keys = proj["cache"].shape[1]
         allowed = visible_keys(q_segment_ids, k_segment_ids, q_offset) & selected_mask(indices, num_keys)
         heads = expanded_attention(params, proj, allowed, config)
     else:

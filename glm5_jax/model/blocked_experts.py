@@ -57,11 +57,10 @@ def dispatch_rows(x: jax.Array, token_of_row: jax.Array, row_of_choice: jax.Arra
 
 
 def _dispatch_fwd(x, token_of_row, row_of_choice):
-    return dispatch_rows(x, token_of_row, row_of_choice), (token_of_row, row_of_choice)
+    return dispatch_rows(x, token_of_row, row_of_choice), row_of_choice
 
 
-def _dispatch_bwd(residuals, d_rows):
-    token_of_row, row_of_choice = residuals
+def _dispatch_bwd(row_of_choice, d_rows):
     # Token t's rows are exactly row_of_choice[t, :]: the transpose is a gather and a sum over choices.
     return d_rows[row_of_choice].sum(1), None, None
 

@@ -12,6 +12,7 @@ from glm5_jax.model import attention, indexer
 from glm5_jax.model.indexer_kl import attend_with_indexer_kl
 from glm5_jax.model.layers import normal_init, rms_norm, swiglu
 from glm5_jax.model.moe import init_moe, moe_block
+from glm5_jax.parallel.batch_local import batch_local
 
 
 # What a rematerialised layer keeps from its forward pass (config `remat_policy`; "none" keeps everything).
@@ -57,18 +58,22 @@ def init_layer(config: ModelConfig, key: jax.Array, dtype, moe: bool) -> dict:
 
 
 def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: LayerContext,
-                 config: ModelConfig) -> jax.Array:
-    """Run the lightning indexer of one layer; returns int32 [B, S, N] (-1 = unused slot)."""
+                 config: ModelConfig, mesh=None) -> jax.Array:
+    """Run the lightning indexer of one layer; returns int32 [B, S, N] (-1 = unused slot). Scores and top-k
+    run on each device's own rows (`batch_local`): GSPMD would gather the global batch for `top_k`."""
     q, weights = indexer.indexer_queries(indexer_params, q_resid, h, ctx.cos, ctx.sin, config)
     k = indexer.indexer_keys(indexer_params, h, ctx.cos, ctx.sin, config)
     if config.attention_backend == "pallas":
         from pallas_kernels import indexer_topk
 
-        indices, _ = indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=ctx.segment_ids,
-                                  k_segment_ids=ctx.segment_ids)
-        return indices
-    return indexer.select_topk(q, k, weights, ctx.segment_ids, ctx.segment_ids, config.index_topk,
-                               query_chunk=config.index_query_chunk)
+        def select(q, k, weights, segment_ids):
+            return indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=segment_ids,
+                                k_segment_ids=segment_ids)[0]
+    else:
+        def select(q, k, weights, segment_ids):
+            return indexer.select_topk(q, k, weights, segment_ids, segment_ids, config.index_topk,
+                                       query_chunk=config.index_query_chunk)
+    return batch_local(select, mesh, (q, k, weights, ctx.segment_ids))
 
 
 def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: LayerContext,
@@ -86,9 +91,9 @@ def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: L
     if topk_override is not None:
         topk = topk_override.astype(jnp.int32)
     elif run_indexer is True:
-        topk = compute_topk(indexer_params, h, proj["q_resid"], ctx, config)
+        topk = compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh)
     else:
-        topk = jax.lax.cond(run_indexer, lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config),
+        topk = jax.lax.cond(run_indexer, lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh),
                             lambda: prev_topk)
     if indexer_mode is None:
         x = x + attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)

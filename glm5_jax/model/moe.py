@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.layers import normal_init, swiglu
+from glm5_jax.parallel.batch_local import batch_local, mesh_platform
 
 
 def init_moe(config: ModelConfig, key: jax.Array, dtype) -> dict:
@@ -47,26 +48,31 @@ def router_scores(params: dict, x: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
+def choose_experts(choice: jax.Array, config: ModelConfig) -> jax.Array:
+    """Group-limited top-k over biased scores choice [T, E] -> expert ids [T, A] int32."""
+    if config.topk_group < config.n_group:
+        n_tokens = choice.shape[0]
+        grouped = choice.reshape(n_tokens, config.n_group, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        _, keep_groups = jax.lax.top_k(group_scores, config.topk_group)
+        group_keep = jnp.zeros((n_tokens, config.n_group), bool).at[
+            jnp.arange(n_tokens)[:, None], keep_groups].set(True)
+        choice = jnp.where(jnp.repeat(group_keep, grouped.shape[-1], axis=1), choice, -jnp.inf)
+    return jax.lax.top_k(choice, config.num_experts_per_tok)[1].astype(jnp.int32)
+
+
 def route(params: dict, x: jax.Array, config: ModelConfig,
-          expert_choices: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pick experts per token. x [T, D] -> (expert ids [T, A] int32, weights [T, A] fp32, scores s [T, E]).
 
     The correction bias only shifts *selection*; the weights are the unbiased scores, normalised and scaled.
     `expert_choices` [T, A] replays recorded choices (routing replay): the bias is then ignored entirely.
+    The top-k runs on each device's own tokens (`batch_local`).
     """
     scores = router_scores(params, x)
     if expert_choices is None:
         bias = jax.lax.stop_gradient(params["e_score_correction_bias"]).astype(jnp.float32)
-        choice = scores + bias
-        if config.topk_group < config.n_group:
-            n_tokens = choice.shape[0]
-            grouped = choice.reshape(n_tokens, config.n_group, -1)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
-            _, keep_groups = jax.lax.top_k(group_scores, config.topk_group)
-            group_keep = jnp.zeros((n_tokens, config.n_group), bool).at[
-                jnp.arange(n_tokens)[:, None], keep_groups].set(True)
-            choice = jnp.where(jnp.repeat(group_keep, grouped.shape[-1], axis=1), choice, -jnp.inf)
-        _, expert_ids = jax.lax.top_k(choice, config.num_experts_per_tok)
+        expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,))
     else:
         expert_ids = expert_choices
     expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
@@ -96,10 +102,12 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
 
 
-def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
+def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                   platform: str | None = None) -> jax.Array:
     """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
-    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`."""
-    if jax.default_backend() == "cpu":
+    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`.
+    `platform` is the one compiled for (default: the default backend)."""
+    if (platform or jax.default_backend()) == "cpu":
         return experts_blocked(experts, x, expert_ids, weights)
     n_tokens, top_k = expert_ids.shape
     n_experts = experts["gate_proj"].shape[0]
@@ -140,13 +148,17 @@ def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelCo
     b, s, d = x.shape
     flat = x.reshape(b * s, d)
     replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
-    expert_ids, weights, scores = route(params, flat, config, replay)
+    expert_ids, weights, scores = route(params, flat, config, replay, mesh)
     backend = config.moe_backend
     if backend == "reference":
         routed = experts_reference(params["experts"], flat, expert_ids, weights)
         aux_extra = {}
     elif backend == "ragged":
-        routed = experts_ragged(params["experts"], flat, expert_ids, weights)
+        # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
+        # does per layer), their gradients summed over the shards by shard_map's transpose.
+        platform = mesh_platform(mesh)
+        routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
+                             (flat, expert_ids, weights), (params["experts"],))
         aux_extra = {}
     else:
         from glm5_jax.parallel.expert_parallel import experts_ep

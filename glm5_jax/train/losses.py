@@ -11,6 +11,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from glm5_jax.model.mtp import shift_within_segment
 from glm5_jax.train.token_logprobs import token_logprobs
@@ -42,7 +43,9 @@ def mtp_cross_entropy(mtp_hidden: jax.Array, lm_head_kernel: jax.Array, tokens: 
     depth = mtp_hidden.shape[0]
     targets, weight = jax.vmap(lambda k: next_token_targets(tokens, segment_ids, loss_mask, shift=k))(
         jnp.arange(2, depth + 2))
-    flat = lambda a: a.reshape(depth * a.shape[1], *a.shape[2:])  # noqa: E731  depths join the batch
+    # Depths join the sequence, not the batch: [D, B, S] -> [B, D*S] keeps the (sharded) batch dim leading, so
+    # every device computes the loss of its own rows only ([D*B] would mix batch shards and be all-reduced).
+    flat = lambda a: rearrange(a, "d b s ... -> b (d s) ...")  # noqa: E731
     logp, _ = token_logprobs(flat(mtp_hidden), lm_head_kernel, flat(targets), vocab_chunk=vocab_chunk)
     weight = flat(weight)
     return -(logp * weight).sum(), weight.sum()

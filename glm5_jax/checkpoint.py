@@ -113,6 +113,10 @@ class Checkpointer:
         return self.save(step, params=params, opt_state=opt_state, data_state=data_state, config=config,
                          force=force)
 
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step)` without `force` would write (the same answer on every process)."""
+        return bool(self._manager.should_save(step))
+
     # -- restoring ------------------------------------------------------------------------------
 
     def latest_step(self) -> int | None:

@@ -247,6 +247,9 @@ class DataConfig:
     validation_fraction: float = 0.05
     shuffle: bool = True
     clear_thinking: bool = True    # chat: strip reasoning of earlier turns
+    # Independent data streams that make up the global batch (glm5_jax.data.sharded); each process reads its
+    # own. 0 = one per process. Batches depend on this number, not on the process count.
+    shards: int = 0
 
     def validate(self) -> "DataConfig":
         sources = ("stdlib", "jsonl", "chat_jsonl", "rollouts")
@@ -259,6 +262,8 @@ class DataConfig:
                 _fail("data.paths", path, "file not found")
         if not 0 <= self.validation_fraction < 1:
             _fail("data.validation_fraction", self.validation_fraction, "must be in [0, 1)")
+        if self.shards < 0:
+            _fail("data.shards", self.shards, "must be >= 0 (0 = one stream per process)")
         return self
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from glm5_jax.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
                              apply_overrides, from_dict, load_yaml)
+from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.parallel.runtime import DistributedConfig
 from glm5_jax.train.optim import OptimConfig
 
 
@@ -18,6 +20,8 @@ class ExperimentConfig:
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
     rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.train.rl
 
     def validate(self) -> "ExperimentConfig":
@@ -26,6 +30,8 @@ class ExperimentConfig:
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()
+        self.distributed.validate()
+        validate_mesh_fit(self)
         if self.train.mode == "dsa_warmup" and self.optim.trainable == "all":
             _fail("optim.trainable", self.optim.trainable,
                   "the DSA dense warm-up trains the indexer only: set optim.trainable=indexer")
@@ -34,8 +40,28 @@ class ExperimentConfig:
         return self
 
 
+def validate_mesh_fit(cfg: "ExperimentConfig") -> None:
+    """Every fixed mesh axis must divide what it shards (a -1 axis is checked once the devices are known)."""
+    mesh, model, train = cfg.mesh, cfg.model, cfg.train
+    batch_shards = 1
+    for axis in ("data", "fsdp", "expert"):
+        size = getattr(mesh, axis)
+        batch_shards *= max(size, 1)
+    per_step = train.batch_size // train.microbatches
+    if per_step % batch_shards:
+        _fail("train.batch_size", train.batch_size,
+              f"each of the {train.microbatches} microbatches ({per_step} rows) must split evenly over "
+              f"mesh.data x mesh.fsdp x mesh.expert = {batch_shards} batch shards")
+    if mesh.tensor > 1:
+        for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+            if getattr(model, field) % mesh.tensor:
+                _fail("mesh.tensor", mesh.tensor, f"must divide model.{field}={getattr(model, field)}")
+    if mesh.expert > 1 and model.n_routed_experts % mesh.expert:
+        _fail("mesh.expert", mesh.expert, f"must divide model.n_routed_experts={model.n_routed_experts}")
+
+
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig}
+            "checkpoint": CheckpointConfig, "mesh": MeshConfig, "distributed": DistributedConfig}
 
 
 def experiment_from_dict(data: dict) -> ExperimentConfig:

@@ -30,7 +30,8 @@ class MeshConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes; their product must equal the number of devices used."""
+    """Sizes of the four mesh axes; their product must equal the number of devices used. One axis may be -1:
+    it takes the devices the others leave (`resolve`)."""
 
     data: int = 1
     fsdp: int = 1
@@ -40,8 +41,23 @@ class MeshConfig:
     def __post_init__(self):
         for name in AXIS_NAMES:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MeshConfigError(f"mesh.{name}={value!r} is invalid: must be an integer >= 1")
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+                raise MeshConfigError(f"mesh.{name}={value!r} is invalid: must be an integer >= 1, or -1 for "
+                                      "the devices the other axes leave")
+        rest = [name for name in AXIS_NAMES if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise MeshConfigError(f"mesh.{rest[1]}=-1 is invalid: only one axis may be -1 (mesh.{rest[0]} is)")
+
+    def resolve(self, device_count: int) -> "MeshConfig":
+        """This mesh with a -1 axis replaced by the devices left over; checks the product."""
+        fixed = math.prod(size for size in self.shape if size != -1)
+        rest = [name for name in AXIS_NAMES if getattr(self, name) == -1]
+        if rest:
+            if device_count % fixed:
+                raise MeshConfigError(f"mesh.{rest[0]}=-1 is invalid: the other axes use {fixed} devices, which "
+                                      f"does not divide the {device_count} available")
+            return dataclasses.replace(self, **{rest[0]: device_count // fixed}).validate_devices(device_count)
+        return self.validate_devices(device_count)
 
     @property
     def shape(self) -> tuple[int, ...]:

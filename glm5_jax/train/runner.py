@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -17,16 +18,23 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.config import ConfigError
+from glm5_jax.data.sharded import ShardedBatches, merge_states, owned_shards
 from glm5_jax.experiment import ExperimentConfig, load_experiment
 from glm5_jax.model.flops import training_flops_per_token
-from glm5_jax.model.transformer import init
+from glm5_jax.parallel.mesh import make_mesh
+from glm5_jax.parallel.rules import logical_to_spec
+from glm5_jax.parallel.runtime import (DistributedError, allgather_json, global_batch, initialize, is_primary,
+                                       process_row_block)
+from glm5_jax.parallel.sharding import init_opt_state_sharded, init_sharded, opt_state_shardings, param_shardings
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
-from glm5_jax.train.step import init_train_state, make_train_step
+from glm5_jax.train.step import TrainState, make_train_step, validate_batch
 from glm5_jax.train.tensorboard import SummaryWriter
 
 
@@ -44,12 +52,15 @@ def build_tokenizer(cfg: ExperimentConfig):
     return tokenizer
 
 
-def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_offset: int = 0):
-    """(grain iterable of batches, stats dict) for the configured source."""
+def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_offset: int = 0, *,
+                  shard: int = 0, num_shards: int = 1):
+    """(grain iterable of batches, stats dict) for the configured source: data shard `shard` of `num_shards`
+    (every num_shards-th document, its own seed, batch_size / num_shards rows per batch)."""
     from glm5_jax.data.pretrain import pretrain_dataset, read_jsonl
 
     data, train = cfg.data, cfg.train
-    seed = train.seed + seed_offset
+    seed = train.seed + seed_offset + 7919 * shard
+    batch_size = train.batch_size // num_shards
     if data.source in ("stdlib", "jsonl"):
         if data.source == "stdlib":
             from glm5_jax.data.corpus import stdlib_corpus
@@ -58,19 +69,23 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
                                  max_files=data.max_files or None)
         else:
             docs = read_jsonl(list(data.paths))
-        dataset, stats = pretrain_dataset(docs, tokenizer, seq_len=train.seq_len, batch_size=train.batch_size,
+        docs = docs[shard::num_shards]
+        dataset, stats = pretrain_dataset(docs, tokenizer, seq_len=train.seq_len, batch_size=batch_size,
                                           seed=seed, shuffle=data.shuffle, vocab_size=cfg.model.vocab_size)
         return dataset, stats.as_dict()
     if data.source == "chat_jsonl":
         from glm5_jax.data.chat import read_chat_jsonl, render_dataset
         from glm5_jax.data.sft import sft_dataset
 
-        records = [r for path in data.paths for r in read_chat_jsonl(path)]
+        records = [r for path in data.paths for r in read_chat_jsonl(path)][shard::num_shards]
         rendered = render_dataset(records, tokenizer, max_length=train.seq_len, clear_thinking=data.clear_thinking)
         stats = {"records": len(records), "kept": len(rendered.examples), "dropped": rendered.drop_counts}
-        return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=train.batch_size, seed=seed,
+        return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=batch_size, seed=seed,
                            shuffle=data.shuffle), stats
     if data.source == "rollouts":
+        if num_shards != 1:
+            raise ConfigError(f"data.shards={num_shards} is invalid for data.source='rollouts': rollout groups "
+                              "are read whole by one stream (use data.shards=1 on one process)")
         return rollout_batches(cfg, seed)
     raise ConfigError(f"data.source={data.source!r} is invalid for `glm5 train` in mode {train.mode!r}")
 
@@ -111,7 +126,48 @@ def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, elapsed
             f"tok/s {tokens_per_s:,.0f} eta {eta:,.0f}s")
 
 
-def evaluate(cfg: ExperimentConfig, params, tokenizer) -> float | None:
+def data_layout(cfg: ExperimentConfig) -> tuple[int, range]:
+    """(number of data shards, the shards this process reads)."""
+    num_shards = cfg.data.shards or jax.process_count()
+    if cfg.train.batch_size % num_shards:
+        raise ConfigError(f"data.shards={num_shards} is invalid: must divide train.batch_size={cfg.train.batch_size}")
+    return num_shards, owned_shards(num_shards, jax.process_index(), jax.process_count())
+
+
+def sharded_batches(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_offset: int = 0):
+    """This process's rows of every global batch, and the data statistics of its shards (summed)."""
+    num_shards, shards = data_layout(cfg)
+    stats: dict = {}
+
+    def stream(shard):
+        dataset, shard_stats = build_dataset(cfg, tokenizer, split, seed_offset, shard=shard, num_shards=num_shards)
+        for key, value in shard_stats.items():
+            stats[key] = stats.get(key, 0) + value if isinstance(value, (int, float)) else value
+        return dataset
+
+    return ShardedBatches(stream, shards), stats
+
+
+class MeshLayout:
+    """The run's mesh and the shardings of its batch and state."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.mesh = make_mesh(cfg.mesh.resolve(jax.device_count()))
+        rows = cfg.train.batch_size
+        # Only the leading (row) dim is named, so one sharding serves batch keys of any rank.
+        self.batch = NamedSharding(self.mesh, logical_to_spec(("batch",), (rows,), self.mesh))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.rows = rows
+        start, stop = process_row_block(self.batch, rows)
+        if stop - start != rows // jax.process_count():
+            raise DistributedError(f"process {jax.process_index()} holds {stop - start} of {rows} batch rows; "
+                                   "each process must hold an equal share: make the batch axes span the processes")
+
+    def global_batch(self, local: dict) -> dict:
+        return global_batch(local, self.batch, self.rows)
+
+
+def evaluate(cfg: ExperimentConfig, params, tokenizer, layout: MeshLayout) -> float | None:
     """Mean next-token loss on the validation split (stdlib corpus only), with the model's configured
     attention (so a DSA run is evaluated with its top-k selection)."""
     if cfg.data.source != "stdlib" or cfg.data.validation_fraction == 0:
@@ -119,41 +175,50 @@ def evaluate(cfg: ExperimentConfig, params, tokenizer) -> float | None:
     from glm5_jax.train import losses
     from glm5_jax.model.transformer import forward
 
-    dataset, _ = build_dataset(cfg, tokenizer, split="validation", seed_offset=1)
+    batches, _ = sharded_batches(cfg, tokenizer, split="validation", seed_offset=1)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=layout.replicated)
     def batch_loss(p, b):
         out = forward(p, b["tokens"], config=cfg.model, positions=b["positions"], segment_ids=b["segment_ids"],
-                      return_logits=False, mtp_steps=0)
-        return losses.cross_entropy(out.hidden, p["lm_head"]["kernel"], b["tokens"], b["segment_ids"],
-                                    b["loss_mask"], cfg.train.vocab_chunk)
+                      return_logits=False, mtp_steps=0, mesh=layout.mesh)
+        return jnp.stack(losses.cross_entropy(out.hidden, p["lm_head"]["kernel"], b["tokens"], b["segment_ids"],
+                                              b["loss_mask"], cfg.train.vocab_chunk))
 
     total, count = 0.0, 0.0
-    for index, batch in enumerate(dataset):
+    for index, batch in enumerate(batches):
         if index >= cfg.train.eval_batches:
             break
-        s, c = batch_loss(params, batch)
+        s, c = np.asarray(batch_loss(params, layout.global_batch(batch)))
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
 
 
 def load_params(run_dir: str | Path, like):
-    """The latest parameters saved under another run's directory (shapes checked against `like`)."""
+    """The latest parameters saved under another run's directory (shapes checked against `like`, restored
+    into `like`'s shardings)."""
     with Checkpointer(Path(run_dir) / "checkpoints") as source:
         return source.restore(like).params
 
 
 def run(cfg: ExperimentConfig, *, log=print) -> dict:
-    """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary."""
+    """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary.
+    Every process of a multi-process job runs this; only process 0 logs and writes metrics."""
+    initialize(cfg.distributed)
+    primary = is_primary()
+    if not primary:
+        log = lambda *args, **kwargs: None  # noqa: E731
     run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
-                                                         sort_keys=False))
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
+                                                             sort_keys=False))
+    layout = MeshLayout(cfg)
+    log(f"mesh: {dict(layout.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     tokenizer = build_tokenizer(cfg)
-    dataset, data_stats = build_dataset(cfg, tokenizer)
+    iterator, data_stats = sharded_batches(cfg, tokenizer)
     log(f"data: {json.dumps(data_stats)}")
 
-    params = init(cfg.model, jax.random.key(cfg.train.seed))
+    params = init_sharded(cfg.model, jax.random.key(cfg.train.seed), layout.mesh)
     if cfg.train.init_from:
         params = load_params(cfg.train.init_from, params)
         log(f"initialised parameters from {cfg.train.init_from}")
@@ -165,35 +230,40 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
         optim_config = rl_optim_config(cfg.optim, rl_config)  # the DSA indexer is frozen in RL by default
     optimizer = make_optimizer(optim_config, params)
     schedule = learning_rate_schedule(optim_config)
-    state = init_train_state(params, optimizer)
-    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config)
-    iterator = iter(dataset)
+    opt_state = init_opt_state_sharded(optimizer, params, layout.mesh)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), layout.replicated), params=params,
+                       opt_state=opt_state)
+    state_shardings = TrainState(step=layout.replicated, params=param_shardings(params, layout.mesh),
+                                 opt_state=opt_state_shardings(opt_state, layout.mesh))
+    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config,
+                              mesh=layout.mesh, state_shardings=state_shardings, batch_sharding=layout.batch)
 
     checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
                                 max_to_keep=cfg.checkpoint.keep)
     start = 0
     if cfg.checkpoint.resume and checkpointer.latest_step() is not None:
         restored = checkpointer.restore(state.params, state.opt_state)
-        state = state._replace(step=jax.numpy.asarray(restored.step, jax.numpy.int32), params=restored.params,
-                               opt_state=restored.opt_state)
+        state = state._replace(step=jax.device_put(jnp.asarray(restored.step, jnp.int32), layout.replicated),
+                               params=restored.params, opt_state=restored.opt_state)
         if restored.data_state is not None:
             iterator.set_state(restored.data_state)
         start = restored.step
         log(f"resumed from step {start} in {checkpointer.directory}")
 
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
-    writer = SummaryWriter(run_dir / "tb")
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    writer = SummaryWriter(run_dir / "tb") if primary else None
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if primary else None
     first_loss = last = None
     t_start = time.perf_counter()
     t_window, tokens_window = t_start, 0.0
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             try:
-                batch = next(iterator)
+                local = next(iterator)
             except StopIteration:
                 raise TrainingError(f"the dataset ran out of batches at step {step}") from None
-            state, metrics = step_fn(state, batch)
+            validate_batch(local, cfg.model, cfg.train, step_fn.required_keys)  # this process's rows, on the host
+            state, metrics = step_fn.jitted(state, layout.global_batch(local))
             host = _to_host(metrics)
             if not math.isfinite(host["loss"]):
                 raise TrainingError(f"non-finite loss {host['loss']} at step {step}; the last good checkpoint "
@@ -210,23 +280,31 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
                                                                     * jax.device_count())
                 log(_progress(step, cfg.train.steps, host, tokens_per_s, now - t_start))
                 t_window, tokens_window = now, 0.0
-                writer.scalars(step, {k: v for k, v in host.items() if isinstance(v, float)})
-            metrics_file.write(json.dumps({"step": step, **host}) + "\n")
-            metrics_file.flush()
+                if writer is not None:
+                    writer.scalars(step, {k: v for k, v in host.items() if isinstance(v, float)})
+            if metrics_file is not None:
+                metrics_file.write(json.dumps({"step": step, **host}) + "\n")
+                metrics_file.flush()
             last = host
-            checkpointer.save_if_finite(step, loss=host["loss"], params=state.params, opt_state=state.opt_state,
-                                        data_state=iterator.get_state(), config=dataclasses.asdict(cfg),
-                                        force=step == cfg.train.steps)
+            final = step == cfg.train.steps
+            if final or checkpointer.should_save(step):
+                # Every process's data position, gathered so that any process count can resume from it.
+                data_state = merge_states(allgather_json(iterator.get_state()))
+                checkpointer.save_if_finite(step, loss=host["loss"], params=state.params,
+                                            opt_state=state.opt_state, data_state=data_state,
+                                            config=dataclasses.asdict(cfg), force=final)
         checkpointer.wait_until_finished()
         summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "resumed_from": start,
                    "first_loss": first_loss, "final_loss": last and last["loss"],
-                   "eval_loss": evaluate(cfg, state.params, tokenizer) if cfg.train.mode != "rl" else None,
+                   "eval_loss": evaluate(cfg, state.params, tokenizer, layout) if cfg.train.mode != "rl" else None,
                    "seconds": round(time.perf_counter() - t_start, 1)}
         log("summary: " + json.dumps(summary))
         return summary
     finally:
-        writer.close()
-        metrics_file.close()
+        if writer is not None:
+            writer.close()
+        if metrics_file is not None:
+            metrics_file.close()
         checkpointer.close()
 
 
@@ -238,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_experiment(args.config, args.overrides)
         run(cfg)
-    except (ConfigError, TrainingError, ValueError) as err:
+    except (ConfigError, TrainingError, ValueError, DistributedError) as err:
         print(f"glm5 train: {err}", file=sys.stderr)
         return 2
     return 0

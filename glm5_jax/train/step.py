@@ -13,7 +13,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from einops import rearrange
 
 from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.model.transformer import forward
@@ -47,8 +49,15 @@ def validate_batch(batch: dict, model_config: ModelConfig, train_config: TrainCo
     for key in required:
         if batch[key].shape[:2] != shape:
             raise ValueError(f"batch[{key!r}] has shape {batch[key].shape}, tokens have {shape}")
-    if not isinstance(batch["tokens"], jax.core.Tracer):
-        tokens = jax.device_get(batch["tokens"])
+    tokens = batch["tokens"]
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        # A global batch spanning other processes: each checks the rows it holds.
+        tokens = np.concatenate([np.asarray(shard.data).reshape(-1) for shard in tokens.addressable_shards])
+    else:
+        tokens = np.asarray(jax.device_get(tokens))
+    if tokens.size:
         if tokens.min() < 0 or tokens.max() >= model_config.vocab_size:
             raise ValueError(f"batch['tokens'] holds ids in [{tokens.min()}, {tokens.max()}], outside the "
                              f"vocabulary [0, {model_config.vocab_size})")
@@ -71,7 +80,9 @@ def _denominators(batch: dict, model_config: ModelConfig, mtp_steps: int) -> dic
 
 
 def _split_microbatches(batch: dict, n: int) -> dict:
-    return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), batch)
+    """[B, ...] -> [n, B/n, ...], microbatch m holding rows m, m+n, ...: strided, so that every device keeps
+    its own rows in every microbatch when the batch is sharded in contiguous blocks."""
+    return jax.tree.map(lambda a: rearrange(a, "(b n) ... -> n b ...", n=n), batch)
 
 
 def _lm_objective(params, mb: dict, dens: dict, model_config: ModelConfig, train_config: TrainConfig,
@@ -113,8 +124,13 @@ def _lm_objective(params, mb: dict, dens: dict, model_config: ModelConfig, train
 
 
 def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimizer: optax.GradientTransformation,
-                    *, lr_schedule=None, rl_config=None, mesh=None, jit: bool = True):
-    """Build the step for `train_config.mode`. The returned function validates the batch, then runs jitted."""
+                    *, lr_schedule=None, rl_config=None, mesh=None, jit: bool = True, state_shardings=None,
+                    batch_sharding=None):
+    """Build the step for `train_config.mode`. The returned function validates the batch, then runs jitted.
+
+    With `state_shardings` (a TrainState of shardings) and `batch_sharding` (one sharding for every batch key)
+    the step is jitted with explicit in and out shardings: the state keeps its layout from step to step (one
+    executable for the whole run) and metrics come back replicated."""
     model_config.validate()
     train_config.validate()
     mode = train_config.mode
@@ -163,13 +179,21 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
             metrics["lr"] = lr_schedule(state.step)
         return TrainState(state.step + 1, new_params, opt_state), metrics
 
-    compiled = jax.jit(step, donate_argnums=(0,)) if jit else step
+    if not jit:
+        compiled = step
+    elif state_shardings is None:
+        compiled = jax.jit(step, donate_argnums=(0,))
+    else:
+        replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+        compiled = jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
+                           out_shardings=(state_shardings, replicated))
 
     def run(state: TrainState, batch: dict):
         validate_batch(batch, model_config, train_config, required)
         return compiled(state, batch)
 
     run.jitted = compiled
+    run.required_keys = required
     return run
 
 

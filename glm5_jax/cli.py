@@ -1,4 +1,5 @@
-"""Command line: `glm5 params CONFIG`, `glm5 train CONFIG [key=value ...]`, `glm5 plan CONFIG ...`."""
+"""Command line: `glm5 params CONFIG`, `glm5 train CONFIG [key=value ...]`, `glm5 plan CONFIG ...`,
+`glm5 compile CONFIG --topology NAME ...`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _cmd_params(args) -> int:
     return 0
 
 
-SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan"}
+SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan",
+                      "compile": "glm5_jax.parallel.aot"}
 
 
 def main(argv: list[str] | None = None) -> int:

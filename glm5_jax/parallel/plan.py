@@ -325,11 +325,10 @@ def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
     if batch % shards:
         raise PlanError(f"batch={batch} is invalid: the microbatch is split over data * fsdp * expert = {shards} "
                         "devices, so it must be a multiple of that")
-    if shards > 1 and config.moe_backend != "ep":
-        raise PlanError(f"model.moe_backend={config.moe_backend!r} cannot be planned on a mesh that splits the "
-                        f"batch ({shards} ways): it sorts the global token array, so every device would run "
-                        "every token's experts. Use model.moe_backend=ep (shard_map over the batch axes; "
-                        "mesh.expert may be 1)")
+    if mesh.expert > 1 and config.moe_backend != "ep":
+        raise PlanError(f"model.moe_backend={config.moe_backend!r} cannot be planned with mesh.expert="
+                        f"{mesh.expert}: it runs each device's tokens through every expert, so the experts split "
+                        "over `expert` would be gathered whole on every device. Use model.moe_backend=ep")
     if config.n_routed_experts % mesh.expert:
         raise PlanError(f"mesh.expert={mesh.expert} is invalid: must divide n_routed_experts "
                         f"({config.n_routed_experts})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 GIB = 1024**3
@@ -68,6 +69,9 @@ class Topology:
             from jax.experimental import topologies
         except ImportError as err:  # pragma: no cover - very old jax
             raise TopologyError(f"jax.experimental.topologies is unavailable: {err}") from None
+        # Only describing a pod (no chip is opened), so several processes may load libtpu at once; without this
+        # libtpu's lockfile lets one process in at a time.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         dims = [int(n) for n in self.grid.split("x")]
         bounds = (min(dims[0], 2), min(dims[1], 2), 1)
         try:

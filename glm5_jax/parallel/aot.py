@@ -1,0 +1,164 @@
+"""`glm5 compile CONFIG --topology NAME [k=v ...]`: compile the exact training step `glm5 train` would run,
+for a TPU pod, on a machine without one (libtpu describes the pod; XLA's TPU compiler and Mosaic run for real).
+
+Nothing is allocated: parameters, optimizer state and the batch are `jax.ShapeDtypeStruct`s carrying the
+shardings `glm5 train` gives them. The report, per chip: compiled memory (arguments, outputs, temporaries,
+aliased donations) against the chip's HBM; matmul FLOPs and collective bytes by kind from the compiled HLO,
+every loop body counted as often as it runs (`hlo_stats`); `glm5 plan`'s memory estimate against the
+compiled figure; and a roofline: compute time at the chip's peak vs. collective bytes over its ICI bandwidth,
+the larger being the bound, and the MFU that step time would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from glm5_jax.config import ConfigError
+from glm5_jax.experiment import ExperimentConfig, load_experiment
+from glm5_jax.model.flops import training_flops_per_token
+from glm5_jax.parallel.hlo_stats import hlo_stats
+from glm5_jax.parallel.mesh import make_mesh
+from glm5_jax.parallel.plan import PlanSettings, plan
+from glm5_jax.parallel.rules import logical_to_spec
+from glm5_jax.parallel.sharding import abstract_params, opt_state_shardings, param_shardings
+from glm5_jax.parallel.topology import GIB, Topology, TopologyError, get_topology
+from glm5_jax.train.optim import make_optimizer
+from glm5_jax.train.step import LM_BATCH_KEYS, TrainState, make_train_step
+
+
+class CompileError(ValueError):
+    """The step cannot be compiled as asked."""
+
+
+def _with_shardings(tree, shardings):
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype),
+                                                                    sharding=sharding), tree, shardings)
+
+
+def abstract_train_step(cfg: ExperimentConfig, devices):
+    """(jitted step, abstract state, abstract batch, mesh) exactly as `glm5 train` builds them, over `devices`."""
+    if cfg.train.mode == "rl":
+        raise CompileError("train.mode='rl' is invalid for glm5 compile: its batch layout comes from stored "
+                           "rollouts; compile the same model in mode pretrain or sft")
+    mesh = make_mesh(cfg.mesh.resolve(len(devices)), devices)
+    params = abstract_params(cfg.model)
+    optimizer = make_optimizer(cfg.optim, params)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = TrainState(step=replicated, params=param_shardings(params, mesh),
+                           opt_state=opt_state_shardings(opt_state, mesh))
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                       params=_with_shardings(params, shardings.params),
+                       opt_state=_with_shardings(opt_state, shardings.opt_state))
+    rows, seq = cfg.train.batch_size, cfg.train.seq_len
+    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch",), (rows,), mesh))
+    batch = {key: jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=batch_sharding) for key in LM_BATCH_KEYS}
+    step = make_train_step(cfg.model, cfg.train, optimizer, mesh=mesh, state_shardings=shardings,
+                           batch_sharding=batch_sharding)
+    return step.jitted, state, batch, mesh
+
+
+def compile_report(cfg: ExperimentConfig, topology: Topology) -> dict:
+    """Compile `cfg`'s training step for `topology` and return the per-chip figures."""
+    devices = topology.devices()
+    jitted, state, batch, mesh = abstract_train_step(cfg, devices)
+    start = time.perf_counter()
+    compiled = jitted.trace(state, batch).lower().compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    stats = hlo_stats(compiled.as_text(), len(devices))
+    chip = topology.chip
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+             - memory.alias_size_in_bytes)
+    mesh_cfg = cfg.mesh.resolve(len(devices))
+    planned = plan(cfg.model, mesh_cfg, PlanSettings(batch=cfg.train.batch_size, seq=cfg.train.seq_len,
+                                                     optimizer=cfg.optim.name,
+                                                     device_memory_gib=chip.hbm_bytes / GIB))
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    model_flops_per_chip = training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / len(devices)
+    compute_s = stats.matmul_flops / chip.peak_bf16_flops
+    comm_s = stats.total_collective_bytes / chip.ici_bytes_per_s
+    step_s = max(compute_s, comm_s)
+    return {
+        "topology": topology.name, "chips": len(devices), "chip": chip.generation,
+        "mesh": dict(mesh.shape), "batch": cfg.train.batch_size, "seq": cfg.train.seq_len,
+        "compile_seconds": round(seconds, 1),
+        "memory_bytes": {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+                         "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes,
+                         "generated_code": memory.generated_code_size_in_bytes, "total": total},
+        "hbm_bytes": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
+        "matmul_flops": stats.matmul_flops, "xla_cost_flops_loops_once": float(cost.get("flops", 0.0)),
+        "model_flops": model_flops_per_chip,
+        "collective_bytes": stats.collective_bytes, "collective_counts": stats.collective_counts,
+        "dynamic_loops_counted_once": stats.dynamic_loops,
+        "plan_total_bytes": planned["memory_bytes"]["total"], "plan_over_compiled": planned["memory_bytes"]["total"] / total,
+        "roofline": {"compute_s": compute_s, "collective_s": comm_s, "step_s": step_s,
+                     "bound": "compute" if compute_s >= comm_s else "collectives",
+                     "mfu": model_flops_per_chip / (chip.peak_bf16_flops * step_s) if step_s else 0.0},
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def format_report(report: dict, config_path: str) -> str:
+    mem, roof = report["memory_bytes"], report["roofline"]
+    lines = [
+        f"config:       {config_path}",
+        f"topology:     {report['topology']} ({report['chips']} {report['chip']} chips), mesh {report['mesh']}, "
+        f"batch {report['batch']} x {report['seq']} tokens; compiled in {report['compile_seconds']} s",
+        "per-chip memory (XLA memory_analysis):",
+        f"  arguments     {mem['arguments']:>16,} bytes  ({_gib(mem['arguments'])})",
+        f"  outputs       {mem['outputs']:>16,} bytes  ({_gib(mem['outputs'])})",
+        f"  temporaries   {mem['temporaries']:>16,} bytes  ({_gib(mem['temporaries'])})",
+        f"  aliased       {mem['aliased']:>16,} bytes  ({_gib(mem['aliased'])}, donated state reused)",
+        f"  total         {mem['total']:>16,} bytes  ({_gib(mem['total'])}) of {_gib(report['hbm_bytes'])} HBM: "
+        + ("fits" if report["fits"] else "DOES NOT FIT"),
+        f"glm5 plan estimate: {_gib(report['plan_total_bytes'])} = {report['plan_over_compiled']:.2f}x compiled",
+        f"per-chip matmul FLOPs: {report['matmul_flops']:.4g} (model FLOPs {report['model_flops']:.4g}; XLA "
+        f"cost_analysis, loop bodies once: {report['xla_cost_flops_loops_once']:.4g})",
+        "per-chip collective bytes sent (ring):",
+    ]
+    for kind, sent in sorted(report["collective_bytes"].items()):
+        lines.append(f"  {kind:<18} {sent:>16,.0f} bytes in {report['collective_counts'][kind]} ops")
+    if report["dynamic_loops_counted_once"]:
+        lines.append(f"  ({report['dynamic_loops_counted_once']} loops with data-dependent trip counts "
+                     "counted once)")
+    lines.append(f"roofline: compute {roof['compute_s'] * 1e3:.2f} ms, collectives {roof['collective_s'] * 1e3:.2f} ms "
+                 f"-> {roof['bound']}-bound step {roof['step_s'] * 1e3:.2f} ms, MFU {roof['mfu']:.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="glm5 compile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="experiment YAML (the one `glm5 train` would run)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=64 train.batch_size=128")
+    parser.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...) or GEN:GRID")
+    parser.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        topology = get_topology(args.topology)
+        cfg = load_experiment(args.config, args.overrides)
+        report = compile_report(cfg, topology)
+    except (ConfigError, CompileError, TopologyError, ValueError) as err:
+        print(f"glm5 compile: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report, args.config))
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

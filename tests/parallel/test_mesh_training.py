@@ -90,7 +90,8 @@ def saved(run_dir: Path, step: int) -> tuple[list[np.ndarray], dict]:
     import orbax.checkpoint as ocp
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
+    handlers = {"params": ocp.StandardCheckpointHandler(), "data_state": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(run_dir / "checkpoints", item_handlers=handlers) as manager:
         metadata = manager.item_metadata(step)["params"]
         metadata = getattr(metadata, "tree", metadata)
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)

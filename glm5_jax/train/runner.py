@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,10 @@ from glm5_jax.config import ConfigError
 from glm5_jax.experiment import ExperimentConfig, load_experiment
 from glm5_jax.model.flops import training_flops_per_token
 from glm5_jax.model.transformer import init
+from glm5_jax.train.finite_guard import checked_leaf_names, describe_non_finite
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
+from glm5_jax.train.resume import check_resume_config, default_experiment_dict, drop_metrics_after
+from glm5_jax.train.run_lock import RunLock, RunLockedError
 from glm5_jax.train.step import init_train_state, make_train_step
 from glm5_jax.train.tensorboard import SummaryWriter
 
@@ -95,6 +97,11 @@ def rollout_batches(cfg: ExperimentConfig, seed: int):
     return dataset.repeat(None).to_iter_dataset(), {"records": len(records), "kept": len(kept), **counts}
 
 
+def _flat_settings(cfg: ExperimentConfig) -> dict:
+    return {f"{section}.{key}": value for section, fields in dataclasses.asdict(cfg).items()
+            if isinstance(fields, dict) for key, value in fields.items()}
+
+
 def _to_host(metrics: dict) -> dict:
     out = {}
     for key, value in jax.device_get(metrics).items():
@@ -143,12 +150,16 @@ def load_params(run_dir: str | Path, like):
         return source.restore(like).params
 
 
-def run(cfg: ExperimentConfig, *, log=print) -> dict:
-    """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary."""
+def run(cfg: ExperimentConfig, *, log=print, allow_config_change: bool = False) -> dict:
+    """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary.
+    The run directory is locked for the whole run (glm5_jax/train/run_lock.py)."""
+    with RunLock(cfg.train.run_dir, log=log):
+        return _run_locked(cfg, log=log, allow_config_change=allow_config_change)
+
+
+def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool) -> dict:
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
-                                                         sort_keys=False))
     tokenizer = build_tokenizer(cfg)
     dataset, data_stats = build_dataset(cfg, tokenizer)
     log(f"data: {json.dumps(data_stats)}")
@@ -166,13 +177,17 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
     optimizer = make_optimizer(optim_config, params)
     schedule = learning_rate_schedule(optim_config)
     state = init_train_state(params, optimizer)
+    checked_leaves = checked_leaf_names(state.params, state.opt_state)
     step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config)
     iterator = iter(dataset)
 
     checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
                                 max_to_keep=cfg.checkpoint.keep)
-    start = 0
+    start, config_changes = 0, []
     if cfg.checkpoint.resume and checkpointer.latest_step() is not None:
+        config_changes = check_resume_config(checkpointer.saved_config(), dataclasses.asdict(cfg),
+                                             step=checkpointer.latest_step(), allow_change=allow_config_change,
+                                             defaults=default_experiment_dict())
         restored = checkpointer.restore(state.params, state.opt_state)
         state = state._replace(step=jax.numpy.asarray(restored.step, jax.numpy.int32), params=restored.params,
                                opt_state=restored.opt_state)
@@ -180,6 +195,10 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
             iterator.set_state(restored.data_state)
         start = restored.step
         log(f"resumed from step {start} in {checkpointer.directory}")
+    # Written once the restore succeeded, so a refused resume leaves the run's config as it was.
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
+                                                         sort_keys=False))
+    drop_metrics_after(run_dir / "metrics.jsonl", start)  # steps after the restored one run (and log) again
 
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
     writer = SummaryWriter(run_dir / "tb")
@@ -195,9 +214,15 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
                 raise TrainingError(f"the dataset ran out of batches at step {step}") from None
             state, metrics = step_fn(state, batch)
             host = _to_host(metrics)
-            if not math.isfinite(host["loss"]):
-                raise TrainingError(f"non-finite loss {host['loss']} at step {step}; the last good checkpoint "
-                                    f"(step {checkpointer.latest_step()}) is kept")
+            if host["non_finite"]:
+                message = describe_non_finite(step, host, checked_leaves, _flat_settings(cfg), state.params,
+                                              checkpointer.latest_step(), config_changes)
+                if cfg.train.non_finite == "stop":
+                    raise TrainingError(f"{message}\n  the last good checkpoint (step "
+                                        f"{checkpointer.latest_step()}) is kept")
+                log(f"skipped (train.non_finite=skip): {message}")
+                metrics_file.write(json.dumps({"step": step, "skipped": True, **host}) + "\n")
+                continue
             tokens_window += host["tokens"]
             first_loss = host["loss"] if first_loss is None else first_loss
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -234,11 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5 train", description="Run an experiment from a config file.")
     parser.add_argument("config", help="experiment YAML (sections model/optim/train/data/checkpoint)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume although the config differs from the checkpoint's (beyond steps, logging, "
+                             "checkpoint cadence)")
     args = parser.parse_args(argv)
     try:
         cfg = load_experiment(args.config, args.overrides)
-        run(cfg)
-    except (ConfigError, TrainingError, ValueError) as err:
+        run(cfg, allow_config_change=args.allow_config_change)
+    except (ConfigError, TrainingError, RunLockedError, ValueError) as err:
         print(f"glm5 train: {err}", file=sys.stderr)
         return 2
     return 0

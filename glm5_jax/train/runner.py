@@ -67,8 +67,9 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
         from glm5_jax.data.chat import read_chat_jsonl, render_dataset
         from glm5_jax.data.sft import sft_dataset
 
-        records = [r for path in data.paths for r in read_chat_jsonl(path)]
+        records = [r for path in data.paths for r in read_chat_jsonl(path, location_ids=True)]
         rendered = render_dataset(records, tokenizer, max_length=train.seq_len, clear_thinking=data.clear_thinking)
+        rendered.require_examples(", ".join(data.paths))
         stats = {"records": len(records), "kept": len(rendered.examples), "dropped": rendered.drop_counts}
         return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=train.batch_size, seed=seed,
                            shuffle=data.shuffle), stats
@@ -80,16 +81,20 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
 def rollout_batches(cfg: ExperimentConfig, seed: int):
     """RL batches from stored rollout records: validated (errors name the rollout), filtered (stale, failed,
     broken groups; every drop counted), advantages over whole groups, then fixed-shape batches."""
-    from glm5_jax.data.rollouts import filter_and_pad, read_rollouts, rollout_dataset, validate_records
+    from glm5_jax.data.rollouts import (RolloutError, filter_and_pad, read_rollouts, require_kept, rollout_dataset,
+                                        validate_records)
     from glm5_jax.train.rl_step import rl_step_config_from_dict
 
     if cfg.train.mode != "rl":
         raise ConfigError(f"data.source='rollouts' is invalid for train.mode={cfg.train.mode!r}: use mode rl")
     rl = rl_step_config_from_dict(cfg.rl)
     records = [r for path in cfg.data.paths for r in read_rollouts(path)]
+    if not records:
+        raise RolloutError(f"data.paths={list(cfg.data.paths)} hold no rollout records")
     validate_records(records, vocab_size=cfg.model.vocab_size)
     current = max(max(r.weight_versions) for r in records)
     kept, counts = filter_and_pad(records, current_version=current, max_staleness=rl.objective.max_staleness)
+    require_kept(kept, counts, ", ".join(cfg.data.paths))
     dataset = rollout_dataset(kept, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                               config=rl.objective)
     if cfg.data.shuffle:

@@ -37,7 +37,7 @@ def _experiment(run_dir, steps=2):
             "train": {"steps": steps, "batch_size": 2, "seq_len": 32, "log_every": 1, "vocab_chunk": 128,
                       "run_dir": str(run_dir)},
             "data": {"source": "stdlib", "max_files": 4, "validation_fraction": 0.0},
-            "checkpoint": {"every": 1, "keep": 5}}
+            "checkpoint": {"every": 1, "keep": 10}}
 
 
 def _write(path: Path, data) -> Path:

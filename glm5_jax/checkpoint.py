@@ -70,14 +70,16 @@ class Checkpointer:
     """Save every `save_interval_steps` steps, keep the newest `max_to_keep`, restore the latest by default."""
 
     def __init__(self, directory: str | Path, *, save_interval_steps: int = 1000, max_to_keep: int = 3,
-                 enable_async: bool = False):
+                 enable_async: bool = False, read_only: bool = False):
+        """`read_only`: for reading another run's checkpoints; its temporary folders may belong to a live
+        save, so they are left alone."""
         for name, value in (("save_interval_steps", save_interval_steps), ("max_to_keep", max_to_keep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointError(f"{name}={value!r} is invalid: must be an integer >= 1")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=enable_async)
+            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=not read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=enable_async, read_only=read_only)
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "data_state": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)

@@ -38,8 +38,9 @@ class RunLock:
     The pid/host/start time written into it are for the message and for hosts that share the directory.
     """
 
-    def __init__(self, run_dir: str | Path, *, log=print):
-        self.path = Path(run_dir) / LOCK_NAME
+    def __init__(self, run_dir: str | Path, *, log=print, process_index: int = 0):
+        # Each process of a multi-host run locks its own file, so their hosts never look like two runs.
+        self.path = Path(run_dir) / (LOCK_NAME if process_index == 0 else f"{LOCK_NAME}.{process_index}")
         self.log = log
         self.owner = {"pid": os.getpid(), "host": socket.gethostname(),
                       "process_start": _process_start_time(os.getpid()),

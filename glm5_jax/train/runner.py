@@ -151,7 +151,7 @@ def evaluate(cfg: ExperimentConfig, params, tokenizer) -> float | None:
 
 def load_params(run_dir: str | Path, like):
     """The latest parameters saved under another run's directory (shapes checked against `like`)."""
-    with Checkpointer(Path(run_dir) / "checkpoints") as source:
+    with Checkpointer(Path(run_dir) / "checkpoints", read_only=True) as source:  # it may be training now
         return source.restore(like).params
 
 

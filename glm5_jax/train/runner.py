@@ -2,8 +2,9 @@
 
 The run directory gets the resolved config (config.yaml), metrics as JSON lines (metrics.jsonl) and TensorBoard
 event files (tb/), and orbax checkpoints (checkpoints/). A run resumes from its latest checkpoint by default
-(params, optimizer state, step and the data iterator's position). A step with a non-finite loss stops the run
-with an error and never overwrites the last good checkpoint.
+(params, optimizer state, step and the data iterator's position) when the saved config agrees with the new one.
+A step whose loss, gradients or optimizer state is not finite is never applied nor saved (train.non_finite: stop
+or skip). One live run owns the directory (run.lock). README "When a run stops" has the whole story.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool) -> dic
                                         f"{checkpointer.latest_step()}) is kept")
                 log(f"skipped (train.non_finite=skip): {message}")
                 metrics_file.write(json.dumps({"step": step, "skipped": True, **host}) + "\n")
+                metrics_file.flush()
                 continue
             tokens_window += host["tokens"]
             first_loss = host["loss"] if first_loss is None else first_loss

@@ -55,3 +55,12 @@ def test_nothing_left_after_filtering_lists_the_counts(tmp_path):
     with pytest.raises(RolloutError, match=r"r.jsonl: no rollout left.*input=3, dropped_env_failed=3"):
         require_kept(kept, counts, str(path))
     require_kept([object()], counts, str(path))  # something kept: no error
+
+
+def test_pretraining_jsonl_without_documents_names_the_file(tmp_path):
+    from glm5_jax.data.pretrain import read_jsonl
+
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(DataError, match=r"blank.jsonl: no documents \(every line is blank\)"):
+        read_jsonl(path)

@@ -8,6 +8,7 @@ the session's compilation cache) except the lock tests, which need a second proc
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -81,7 +82,6 @@ def _copy(trained, tmp_path) -> tuple[Path, Path]:
     ("- model\n", r"exp.yaml: the top level must be a mapping"),
 ])
 def test_config_file_errors_name_the_file(tmp_path, capsys, text, expected):
-    import re
 
     code, _, err = _train(capsys, _write(tmp_path / "exp.yaml", text))
     assert code == 2 and re.search(expected, err), err
@@ -210,7 +210,6 @@ def _like(run_dir):
 
 @pytest.mark.slow
 def test_inf_gradients_with_finite_loss_are_never_applied_nor_saved(trained, tmp_path, capsys):
-    import re
 
     run_dir, config = _copy(trained, tmp_path)
     # lambda = 1e20 keeps the loss finite (~1e21) while the squared gradients overflow: grad_norm and then

@@ -70,14 +70,16 @@ class Checkpointer:
     """Save every `save_interval_steps` steps, keep the newest `max_to_keep`, restore the latest by default."""
 
     def __init__(self, directory: str | Path, *, save_interval_steps: int = 1000, max_to_keep: int = 3,
-                 enable_async: bool = False):
+                 enable_async: bool = False, read_only: bool = False):
+        """`read_only`: for reading another run's checkpoints; its temporary folders may belong to a live
+        save, so they are left alone."""
         for name, value in (("save_interval_steps", save_interval_steps), ("max_to_keep", max_to_keep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointError(f"{name}={value!r} is invalid: must be an integer >= 1")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=enable_async)
+            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=not read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=enable_async, read_only=read_only)
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                     "data_state": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -101,11 +103,14 @@ class Checkpointer:
 
     def save_if_finite(self, step: int, *, loss, params, opt_state, data_state: Any = None, config: Any = None,
                        force: bool = False) -> bool:
-        """Like `save`, but raise NonFiniteStateError instead of writing a NaN/inf loss or parameter."""
+        """Like `save`, but raise NonFiniteStateError instead of writing a NaN/inf loss, parameter or optimizer
+        state (inf second moments from an inf gradient leave the loss finite and poison every later step)."""
         if not force and not self._manager.should_save(step):
             return False
-        bad_param = _first_non_finite(params)
-        bad = f"loss={float(loss)}" if not math.isfinite(float(loss)) else bad_param and f"params['{bad_param}']"
+        bad = f"loss={float(loss)}" if not math.isfinite(float(loss)) else None
+        for name, tree in (("params", params), ("opt_state", opt_state)):
+            leaf = bad is None and _first_non_finite(tree)
+            bad = bad or (leaf and f"{name}['{leaf}']")
         if bad:
             raise NonFiniteStateError(
                 f"not saving step {step}: {bad} is not finite; the last good checkpoint "
@@ -124,6 +129,14 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def saved_config(self, step: int | None = None) -> Any:
+        """The config saved with `step` (default: the latest), read alone, before any array is restored."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return restored["config"]["value"]
 
     def restore(self, params, opt_state=None, *, step: int | None = None) -> RestoredCheckpoint:
         """Restore `step` (default: the latest) into the structure, dtypes and shardings of the targets.

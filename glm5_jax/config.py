@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ class ConfigError(ValueError):
 
 def _fail(field: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{field}={value!r} is invalid: {valid}")
+
+
+def require_finite_floats(config, prefix: str) -> None:
+    """Every float field of a config dataclass is finite (nan compares false, so range checks alone miss it)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(prefix + field.name, value, "must be a finite number (nan and inf are never valid settings)")
 
 
 ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
@@ -157,12 +166,16 @@ class ModelConfig:
                   f"must be <= num_hidden_layers ({self.num_hidden_layers})")
         if self.hidden_act != "silu":
             _fail("hidden_act", self.hidden_act, "only 'silu' (SwiGLU) is supported")
-        if self.rope_theta <= 0:
-            _fail("rope_theta", self.rope_theta, "must be > 0")
-        if self.rms_norm_eps <= 0:
-            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.routed_scaling_factor <= 0:
-            _fail("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+        # `not x > 0` so that nan fails too; inf is refused by require_finite_floats.
+        require_finite_floats(self, "")
+        if not self.rope_theta > 0:
+            _fail("rope_theta", self.rope_theta, "must be a finite number > 0")
+        if not 0 < self.rms_norm_eps < 1:
+            _fail("rms_norm_eps", self.rms_norm_eps, "must be in (0, 1)")
+        if not self.routed_scaling_factor > 0:
+            _fail("routed_scaling_factor", self.routed_scaling_factor, "must be a finite number > 0")
+        if not self.initializer_range > 0:
+            _fail("initializer_range", self.initializer_range, "must be a finite number > 0 (GLM-5: 0.02)")
         if self.num_nextn_predict_layers > 1:
             _fail("num_nextn_predict_layers", self.num_nextn_predict_layers,
                   "GLM-5 stores one MTP module (0 disables MTP); more are not supported")
@@ -179,7 +192,7 @@ class ModelConfig:
                 _fail("indexer_types[0]", types[0], "the first layer has no earlier top-k to share: use 'full'")
         if not isinstance(self.scan_layers, bool):
             _fail("scan_layers", self.scan_layers, "must be true or false")
-        if self.moe_capacity_factor < 0:
+        if not self.moe_capacity_factor >= 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS),
                               ("ep_transport", ("auto", "padded", "ragged")),
@@ -191,6 +204,7 @@ class ModelConfig:
 
 
 TRAIN_MODES = ("pretrain", "sft", "dsa_warmup", "dsa_sparse", "rl")
+NON_FINITE_POLICIES = ("stop", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +230,9 @@ class TrainConfig:
     # Start from another run's latest parameters (its run directory); the optimizer starts fresh.
     # Used to continue a dense-MLA model into DSA training, or to RL from an SFT model.
     init_from: str = ""
+    # A step whose loss, gradients or new optimizer state is not finite is never applied nor saved:
+    # "stop" ends the run naming the first non-finite leaf; "skip" keeps the previous state and goes on.
+    non_finite: str = "stop"
 
     def validate(self) -> "TrainConfig":
         if self.mode not in TRAIN_MODES:
@@ -228,10 +245,13 @@ class TrainConfig:
             _fail("train.init_from", self.init_from, "must be a run directory holding checkpoints/")
         if self.batch_size % self.microbatches:
             _fail("train.microbatches", self.microbatches, f"must divide train.batch_size ({self.batch_size})")
+        require_finite_floats(self, "train.")
         for name in ("mtp_loss_weight", "balance_loss_weight", "bias_update_rate", "indexer_kl_weight",
                      "peak_flops_per_device"):
-            if getattr(self, name) < 0:
-                _fail(f"train.{name}", getattr(self, name), "must be >= 0")
+            if not getattr(self, name) >= 0:
+                _fail(f"train.{name}", getattr(self, name), "must be a finite number >= 0")
+        if self.non_finite not in NON_FINITE_POLICIES:
+            _fail("train.non_finite", self.non_finite, f"must be one of {NON_FINITE_POLICIES}")
         return self
 
 
@@ -260,7 +280,7 @@ class DataConfig:
         for path in self.paths:
             if not Path(path).exists():
                 _fail("data.paths", path, "file not found")
-        if not 0 <= self.validation_fraction < 1:
+        if not 0 <= self.validation_fraction < 1:  # also refuses nan
             _fail("data.validation_fraction", self.validation_fraction, "must be in [0, 1)")
         if self.shards < 0:
             _fail("data.shards", self.shards, "must be >= 0 (0 = one stream per process)")
@@ -332,11 +352,13 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 _fail(path, value, "must be a number")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(path, value, "must be a number")
+        if not math.isfinite(value):
+            _fail(path, value, "must be a finite number (nan and inf are never valid settings)")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -379,13 +401,33 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _parse_yaml_file(path: Path) -> Any:
+    """The file's YAML value; a syntax error names the file, line and column (not "<unicode string>")."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(p) for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p)
+        opened = getattr(err, "context_mark", None)
+        if opened is not None and mark is not opened:
+            problem += f" (the construct opened at line {opened.line + 1}, column {opened.column + 1})"
+        raise ConfigError(f"{where}: YAML syntax error: {problem or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({err})") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         _fail("config", str(path), "file not found")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _parse_yaml_file(path)
+    if data is None:
+        # An empty file would otherwise mean "all defaults": the 744B model on the whole stdlib corpus.
+        raise ConfigError(f"{path}: the config file is empty; it needs at least a model: section "
+                          "(see configs/tiny.yaml)")
     if not isinstance(data, dict):
-        _fail("config", str(path), "top level must be a mapping")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {data!r}")
     base = data.pop("base", None)
     if base is not None:
         merged = load_yaml(path.parent / base)

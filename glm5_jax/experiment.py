@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from glm5_jax.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
-                             apply_overrides, from_dict, load_yaml)
+                             apply_overrides, from_dict, load_yaml, require_finite_floats)
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.parallel.runtime import DistributedConfig
 from glm5_jax.train.optim import OptimConfig
@@ -25,7 +25,11 @@ class ExperimentConfig:
     rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.train.rl
 
     def validate(self) -> "ExperimentConfig":
-        self.model.validate()
+        try:
+            self.model.validate()
+        except ConfigError as err:  # ModelConfig names its fields bare; here they live under model:
+            message = str(err)
+            raise ConfigError(message if message.startswith("model.") else "model." + message) from None
         self.optim.validate()
         self.train.validate()
         self.data.validate()
@@ -68,7 +72,12 @@ def experiment_from_dict(data: dict) -> ExperimentConfig:
     unknown = sorted(set(data) - set(SECTIONS) - {"rl"})
     if unknown:
         _fail(unknown[0], data[unknown[0]], f"unknown section; known sections are {sorted(SECTIONS) + ['rl']}")
+    for name in [*SECTIONS, "rl"]:
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            _fail(name, data[name], f"the {name}: section must be a mapping of field: value lines")
     kwargs = {name: from_dict(cls, data.get(name) or {}, prefix=name + ".") for name, cls in SECTIONS.items()}
+    for name, section in kwargs.items():  # directly-built sections (optim) skip the loader's finite check
+        require_finite_floats(section, name + ".")
     return ExperimentConfig(**kwargs, rl=data.get("rl")).validate()
 
 

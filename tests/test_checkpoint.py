@@ -159,3 +159,20 @@ def test_save_if_finite_never_replaces_last_good_checkpoint(tmp_path):
             ckpt.save_if_finite(3, loss=1.0, params=poisoned, opt_state=opt_state)
         assert ckpt.all_steps() == [1]
         assert_trees_equal(ckpt.restore(params).params, params)
+
+
+def test_read_only_checkpointer_leaves_another_runs_temporary_folders(tmp_path):
+    import jax.numpy as jnp
+
+    params = {"w": jnp.ones((2,))}
+    with Checkpointer(tmp_path / "ckpt", save_interval_steps=1) as ckpt:
+        ckpt.save(1, params=params, opt_state={"m": jnp.zeros((2,))})
+    in_flight = tmp_path / "ckpt" / "2.orbax-checkpoint-tmp-123"  # a live run's save under way
+    in_flight.mkdir()
+    (in_flight / "params").write_text("partial")
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.restore(params).step == 1
+    assert in_flight.exists()
+    with Checkpointer(tmp_path / "ckpt", save_interval_steps=1) as owner:  # an owner's does clean them up
+        owner.save(3, params=params, opt_state={"m": jnp.zeros((2,))})  # (orbax finishes its clean-up first)
+    assert not in_flight.exists()

@@ -56,3 +56,42 @@ def test_defaults_are_glm5():
     config = ModelConfig().validate()
     assert (config.hidden_size, config.num_hidden_layers, config.index_topk) == (6144, 78, 2048)
     assert config.qk_head_dim == 256 and config.latent_dim == 576
+
+
+def test_yaml_syntax_errors_name_file_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  hidden_size: [32\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:3:1: YAML syntax error.*opened at line 2, column 16"):
+        load_model_config(path)
+
+
+def test_empty_and_non_mapping_files_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError, match="empty.yaml: the config file is empty"):
+        load_model_config(empty)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="list.yaml: the top level must be a mapping"):
+        load_model_config(listed)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("rope_theta=nan", "rope_theta"), ("rope_theta=.inf", "rope_theta"), ("rms_norm_eps=nan", "rms_norm_eps"),
+    ("initializer_range=-1", "initializer_range"), ("initializer_range=0", "initializer_range"),
+    ("routed_scaling_factor=-inf", "routed_scaling_factor"), ("moe_capacity_factor=nan", "moe_capacity_factor"),
+])
+def test_non_finite_and_out_of_range_floats_are_refused(override, field):
+    with pytest.raises(ConfigError, match=f"{field}=.* is invalid: must be"):
+        load_model_config("configs/tiny.yaml", [override])
+
+
+def test_directly_built_configs_refuse_nan_too():
+    from glm5_jax.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="rms_norm_eps=nan"):
+        dataclasses.replace(load_model_config("configs/tiny.yaml"), rms_norm_eps=float("nan")).validate()
+    with pytest.raises(ConfigError, match="train.mtp_loss_weight=nan"):
+        TrainConfig(mtp_loss_weight=float("nan")).validate()
+    with pytest.raises(ConfigError, match="train.non_finite='ignore'"):
+        TrainConfig(non_finite="ignore").validate()

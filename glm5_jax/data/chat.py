@@ -377,6 +377,24 @@ class RenderedDataset:
     def num_dropped(self) -> int:
         return sum(self.drop_counts.values())
 
+    def drop_report(self) -> str:
+        """Counts per reason, then the first dropped record of each reason with its error."""
+        counts = ", ".join(f"{reason}={n}" for reason, n in self.drop_counts.items() if n)
+        firsts = {}
+        for error in self.drop_errors:
+            firsts.setdefault(error.reason, str(error))
+        return f"dropped {self.num_dropped} ({counts})" + "".join(
+            f"\n  first {reason}: {message}" for reason, message in firsts.items())
+
+    def require_examples(self, source: str) -> "RenderedDataset":
+        """Refuse an SFT set every record of which was dropped, saying why each was."""
+        if not self.examples:
+            from glm5_jax.data.pretrain import DataError
+
+            raise DataError(f"{source}: the SFT dataset is empty: {self.num_dropped} record(s) read, none usable; "
+                            f"{self.drop_report()}")
+        return self
+
 
 def render_dataset(
     records: Iterable[dict],
@@ -420,8 +438,9 @@ def render_dataset(
     return RenderedDataset(examples, record_ids, dict(counts), errors)
 
 
-def read_chat_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Reads one chat record per line; a malformed line raises ValueError naming the file and line."""
+def read_chat_jsonl(path: str | os.PathLike, *, location_ids: bool = False) -> list[dict]:
+    """Reads one chat record per line; a malformed line raises ValueError naming the file and line.
+    `location_ids`: a record without an "id" is named "<path>:<line>", so a later drop names where it is."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"chat data file {path!r} does not exist")
@@ -436,6 +455,8 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[dict]:
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{line_number}: a chat record must be a JSON object, got {record!r}")
+            if location_ids and "id" not in record:
+                record = {"id": f"{path}:{line_number}", **record}
             records.append(record)
     return records
 

@@ -54,6 +54,8 @@ def read_jsonl(paths: str | Path | Sequence[str | Path], *, text_key: str = "tex
                     raise DataError(f"{where}: field {text_key!r} must be a string, got "
                                     f"{type(record[text_key]).__name__}")
                 documents.append(Document(where, record[text_key]))
+    if not documents:
+        raise DataError(f"{', '.join(map(str, paths))}: no documents (every line is blank): nothing to train on")
     return documents
 
 
@@ -146,7 +148,8 @@ def pretrain_dataset(documents: Sequence[str | Document], tokenizer, *, seq_len:
         raise DataError("documents is empty: the pretraining corpus has no documents")
     chunks, stats = tokenize_and_chunk(documents, tokenizer, eos_id=eos_id, seq_len=seq_len, vocab_size=vocab_size)
     if not chunks:
-        raise DataError(f"all {stats.documents} documents are empty after tokenization: nothing to train on")
+        raise DataError(f"all {stats.documents} documents are empty after tokenization: nothing to train on "
+                        f"({json.dumps(stats.as_dict())})")
 
     import grain  # lazily: the model and training step must import without grain installed
 

@@ -230,6 +230,15 @@ def filter_and_pad(records: Sequence[RolloutRecord], *, current_version: int, ma
     return kept, counts
 
 
+def require_kept(kept: Sequence[RolloutRecord], counts: dict[str, int], source: str) -> None:
+    """Refuse a filtered rollout set with nothing left, listing what each filter dropped."""
+    if not kept:
+        dropped = ", ".join(f"{name}={n}" for name, n in counts.items() if name != "output")
+        raise RolloutError(f"{source}: no rollout left to train on after filtering ({dropped}); "
+                           "dropped_env_failed counts env_failed samples, dropped_stale those older than "
+                           "rl.max_staleness versions, dropped_groups groups with half or fewer valid samples")
+
+
 # ---------------------------------------------------------------------------------------------
 # Storage.
 # ---------------------------------------------------------------------------------------------
@@ -287,13 +296,27 @@ def write_rollouts(path: str | os.PathLike, records: Sequence[RolloutRecord]) ->
     os.replace(temporary, path)
 
 
+def _record_from_json_line(line: str, where: str) -> RolloutRecord:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise RolloutError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(data, dict):
+        raise RolloutError(f"{where}: a rollout record must be a JSON object, got {line.strip()[:80]!r}")
+    try:
+        return _from_plain(data, where)
+    except (RolloutError, TypeError, ValueError) as err:
+        message = str(err)
+        raise RolloutError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
 def read_rollouts(path: str | os.PathLike) -> list[RolloutRecord]:
     """Read every record written by `write_rollouts`."""
     path = Path(path)
     if not path.is_file():
         raise RolloutError(f"rollout file {str(path)!r} does not exist")
     if path.suffix == ".jsonl":
-        return [_from_plain(json.loads(line), f"{path}:{number}")
+        return [_record_from_json_line(line, f"{path}:{number}")
                 for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     from array_record.python import array_record_module
 

@@ -2,17 +2,18 @@
 
 The run directory gets the resolved config (config.yaml), metrics as JSON lines (metrics.jsonl) and TensorBoard
 event files (tb/), and orbax checkpoints (checkpoints/). A run resumes from its latest checkpoint by default
-(params, optimizer state, step and the data iterator's position). A step with a non-finite loss stops the run
-with an error and never overwrites the last good checkpoint.
+(params, optimizer state, step and the data iterator's position) when the saved config agrees with the new one.
+A step whose loss, gradients or optimizer state is not finite is never applied nor saved (train.non_finite: stop
+or skip). One live run owns the directory (run.lock). README "When a run stops" has the whole story.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,9 @@ from glm5_jax.parallel.runtime import (DistributedError, allgather_json, global_
 from glm5_jax.parallel.sharding import init_opt_state_sharded, init_sharded, opt_state_shardings, param_shardings
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
 from glm5_jax.train.step import TrainState, make_train_step, validate_batch
+from glm5_jax.train.finite_guard import checked_leaf_names, describe_non_finite
+from glm5_jax.train.resume import check_resume_config, default_experiment_dict, drop_metrics_after
+from glm5_jax.train.run_lock import RunLock, RunLockedError
 from glm5_jax.train.tensorboard import SummaryWriter
 
 
@@ -77,8 +81,9 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
         from glm5_jax.data.chat import read_chat_jsonl, render_dataset
         from glm5_jax.data.sft import sft_dataset
 
-        records = [r for path in data.paths for r in read_chat_jsonl(path)][shard::num_shards]
+        records = [r for path in data.paths for r in read_chat_jsonl(path, location_ids=True)][shard::num_shards]
         rendered = render_dataset(records, tokenizer, max_length=train.seq_len, clear_thinking=data.clear_thinking)
+        rendered.require_examples(", ".join(data.paths))
         stats = {"records": len(records), "kept": len(rendered.examples), "dropped": rendered.drop_counts}
         return sft_dataset(rendered.examples, seq_len=train.seq_len, batch_size=batch_size, seed=seed,
                            shuffle=data.shuffle), stats
@@ -93,21 +98,30 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
 def rollout_batches(cfg: ExperimentConfig, seed: int):
     """RL batches from stored rollout records: validated (errors name the rollout), filtered (stale, failed,
     broken groups; every drop counted), advantages over whole groups, then fixed-shape batches."""
-    from glm5_jax.data.rollouts import filter_and_pad, read_rollouts, rollout_dataset, validate_records
+    from glm5_jax.data.rollouts import (RolloutError, filter_and_pad, read_rollouts, require_kept, rollout_dataset,
+                                        validate_records)
     from glm5_jax.train.rl_step import rl_step_config_from_dict
 
     if cfg.train.mode != "rl":
         raise ConfigError(f"data.source='rollouts' is invalid for train.mode={cfg.train.mode!r}: use mode rl")
     rl = rl_step_config_from_dict(cfg.rl)
     records = [r for path in cfg.data.paths for r in read_rollouts(path)]
+    if not records:
+        raise RolloutError(f"data.paths={list(cfg.data.paths)} hold no rollout records")
     validate_records(records, vocab_size=cfg.model.vocab_size)
     current = max(max(r.weight_versions) for r in records)
     kept, counts = filter_and_pad(records, current_version=current, max_staleness=rl.objective.max_staleness)
+    require_kept(kept, counts, ", ".join(cfg.data.paths))
     dataset = rollout_dataset(kept, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                               config=rl.objective)
     if cfg.data.shuffle:
         dataset = dataset.shuffle(seed=seed)
     return dataset.repeat(None).to_iter_dataset(), {"records": len(records), "kept": len(kept), **counts}
+
+
+def _flat_settings(cfg: ExperimentConfig) -> dict:
+    return {f"{section}.{key}": value for section, fields in dataclasses.asdict(cfg).items()
+            if isinstance(fields, dict) for key, value in fields.items()}
 
 
 def _to_host(metrics: dict) -> dict:
@@ -196,22 +210,26 @@ def evaluate(cfg: ExperimentConfig, params, tokenizer, layout: MeshLayout) -> fl
 def load_params(run_dir: str | Path, like):
     """The latest parameters saved under another run's directory (shapes checked against `like`, restored
     into `like`'s shardings)."""
-    with Checkpointer(Path(run_dir) / "checkpoints") as source:
+    with Checkpointer(Path(run_dir) / "checkpoints", read_only=True) as source:  # it may be training now
         return source.restore(like).params
 
 
-def run(cfg: ExperimentConfig, *, log=print) -> dict:
+def run(cfg: ExperimentConfig, *, log=print, allow_config_change: bool = False) -> dict:
     """Train `cfg.train.steps` steps (resuming when a checkpoint exists); returns the final summary.
-    Every process of a multi-process job runs this; only process 0 logs and writes metrics."""
+    Every process of a multi-process job runs this; only process 0 logs, writes metrics and holds the run
+    directory's lock (glm5_jax/train/run_lock.py) for the whole run."""
     initialize(cfg.distributed)
     primary = is_primary()
     if not primary:
         log = lambda *args, **kwargs: None  # noqa: E731
+    with RunLock(cfg.train.run_dir, log=log) if primary else contextlib.nullcontext():
+        return _run_locked(cfg, log=log, allow_config_change=allow_config_change, primary=primary)
+
+
+def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primary: bool) -> dict:
     run_dir = Path(cfg.train.run_dir)
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
-                                                             sort_keys=False))
     layout = MeshLayout(cfg)
     log(f"mesh: {dict(layout.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     tokenizer = build_tokenizer(cfg)
@@ -237,11 +255,15 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
                                  opt_state=opt_state_shardings(opt_state, layout.mesh))
     step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config,
                               mesh=layout.mesh, state_shardings=state_shardings, batch_sharding=layout.batch)
+    checked_leaves = checked_leaf_names(state.params, state.opt_state)
 
     checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
                                 max_to_keep=cfg.checkpoint.keep)
-    start = 0
+    start, config_changes = 0, []
     if cfg.checkpoint.resume and checkpointer.latest_step() is not None:
+        config_changes = check_resume_config(checkpointer.saved_config(), dataclasses.asdict(cfg),
+                                             step=checkpointer.latest_step(), allow_change=allow_config_change,
+                                             defaults=default_experiment_dict())
         restored = checkpointer.restore(state.params, state.opt_state)
         state = state._replace(step=jax.device_put(jnp.asarray(restored.step, jnp.int32), layout.replicated),
                                params=restored.params, opt_state=restored.opt_state)
@@ -249,6 +271,11 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
             iterator.set_state(restored.data_state)
         start = restored.step
         log(f"resumed from step {start} in {checkpointer.directory}")
+    if primary:
+        # Written once the restore succeeded, so a refused resume leaves the run's config as it was.
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
+                                                             sort_keys=False))
+        drop_metrics_after(run_dir / "metrics.jsonl", start)  # steps after the restored one run (and log) again
 
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
     writer = SummaryWriter(run_dir / "tb") if primary else None
@@ -265,9 +292,17 @@ def run(cfg: ExperimentConfig, *, log=print) -> dict:
             validate_batch(local, cfg.model, cfg.train, step_fn.required_keys)  # this process's rows, on the host
             state, metrics = step_fn.jitted(state, layout.global_batch(local))
             host = _to_host(metrics)
-            if not math.isfinite(host["loss"]):
-                raise TrainingError(f"non-finite loss {host['loss']} at step {step}; the last good checkpoint "
-                                    f"(step {checkpointer.latest_step()}) is kept")
+            if host["non_finite"]:
+                message = describe_non_finite(step, host, checked_leaves, _flat_settings(cfg), state.params,
+                                              checkpointer.latest_step(), config_changes)
+                if cfg.train.non_finite == "stop":
+                    raise TrainingError(f"{message}\n  the last good checkpoint (step "
+                                        f"{checkpointer.latest_step()}) is kept")
+                log(f"skipped (train.non_finite=skip): {message}")
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps({"step": step, "skipped": True, **host}) + "\n")
+                    metrics_file.flush()
+                continue
             tokens_window += host["tokens"]
             first_loss = host["loss"] if first_loss is None else first_loss
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -312,11 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5 train", description="Run an experiment from a config file.")
     parser.add_argument("config", help="experiment YAML (sections model/optim/train/data/checkpoint)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume although the config differs from the checkpoint's (beyond steps, logging, "
+                             "checkpoint cadence)")
     args = parser.parse_args(argv)
     try:
         cfg = load_experiment(args.config, args.overrides)
-        run(cfg)
-    except (ConfigError, TrainingError, ValueError, DistributedError) as err:
+        run(cfg, allow_config_change=args.allow_config_change)
+    except (ConfigError, TrainingError, RunLockedError, ValueError, DistributedError) as err:
         print(f"glm5 train: {err}", file=sys.stderr)
         return 2
     return 0

@@ -21,6 +21,7 @@ from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.model.transformer import forward
 from glm5_jax.train import losses
 from glm5_jax.train.balancing import update_correction_biases
+from glm5_jax.train.finite_guard import keep_state_unless_finite
 
 INDEXER_MODE = {"dsa_warmup": "dense_warmup", "dsa_sparse": "sparse"}
 LM_BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -177,6 +178,8 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
         metrics = _metrics(sums, dens, counts, grads, batch, train_config, mode)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state.step)
+        new_params, opt_state, metrics = keep_state_unless_finite(params, state.opt_state, new_params, opt_state,
+                                                                  grads, metrics)
         return TrainState(state.step + 1, new_params, opt_state), metrics
 
     if not jit:

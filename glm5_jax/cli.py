@@ -23,7 +23,8 @@ def _cmd_params(args) -> int:
     return 0
 
 
-SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan"}
+SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan",
+                      "import-hf": "glm5_jax.convert.import_command", "export-hf": "glm5_jax.convert.export_command"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_checkpoints import SMALL, write_sharded_checkpoint  # noqa: E402
+from hf_checkpoints import SMALL  # noqa: E402
 
 from glm5_jax.convert.hf import ConversionError, load_hf_checkpoint  # noqa: E402
 from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
@@ -22,13 +22,6 @@ from glm5_jax.convert.streaming_import import import_hf, save_imported  # noqa: 
 from glm5_jax.convert.tensor_source import INDEX_FILE, CheckpointFormatError  # noqa: E402
 from glm5_jax.model.transformer import jit_forward  # noqa: E402
 from glm5_jax.parallel.sharding import abstract_params  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf_bf16")
-    model, tokens, logits = write_sharded_checkpoint(path)
-    return path, model, tokens, logits
 
 
 def test_checkpoint_is_multi_file_bf16(hf_checkpoint):

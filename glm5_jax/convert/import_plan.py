@@ -101,6 +101,9 @@ def read_leaf_slice(source, recipe: LeafRecipe, dtype, index: tuple = (), cache:
     stack_ranges = [range(*s.indices(n)) for s, n in zip(index[:k], recipe.stack)]
     item_index = index[k:]
     item_sizes = [len(range(*s.indices(n))) for s, n in zip(item_index, recipe.item_shape)]
+    if not stack_ranges:  # one HF tensor: hand over its converted array (or slice) without another copy
+        item = cache.get(source, recipe, ())
+        return np.ascontiguousarray(item[item_index], dtype=dtype)
     out = np.empty([len(r) for r in stack_ranges] + item_sizes, dtype)
     for position in itertools.product(*(enumerate(r) for r in stack_ranges)):
         local = tuple(p[0] for p in position)

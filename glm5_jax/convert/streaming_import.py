@@ -75,10 +75,12 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
     return ImportedCheckpoint(params, config, note, list(source.dequantized))
 
 
-def save_imported(imported: ImportedCheckpoint, run_dir: str | Path, *, source: str = "") -> Path:
+def save_imported(imported: ImportedCheckpoint, run_dir: str | Path, *, source: str = "",
+                  host_buffer_gb: float = 1.0) -> Path:
     """Write the parameters as step 0 of `<run_dir>/checkpoints` in the layout of `glm5_jax.checkpoint`
     (params, data_state and config items; no optimizer state, so `train.init_from=<run_dir>` starts a fresh
-    optimizer from them) and the model section as `<run_dir>/model.yaml`."""
+    optimizer from them) and the model section as `<run_dir>/model.yaml`. Orbax copies shards to host
+    memory to write them; at most `host_buffer_gb` of such copies are alive at once."""
     import orbax.checkpoint as ocp
 
     run_dir = Path(run_dir).absolute()
@@ -87,12 +89,18 @@ def save_imported(imported: ImportedCheckpoint, run_dir: str | Path, *, source: 
         raise FileExistsError(f"{checkpoints} already holds checkpoints: import into a new run directory")
     record = {"imported_from": str(source), "dtypes": imported.dtype_note, "dequantized": imported.dequantized,
               "model": dataclasses.asdict(imported.config)}
-    handlers = {"params": ocp.StandardCheckpointHandler(), "data_state": ocp.JsonCheckpointHandler(),
+    if not host_buffer_gb > 0:
+        raise ValueError(f"host_buffer_gb={host_buffer_gb!r} is invalid: must be > 0 (GB of host copies in flight)")
+    # Uncompressed: tensorstore's zstd path holds extra copies of what it writes (and bf16 weights barely
+    # compress); host copies in flight are capped for hosts whose shards live in device memory.
+    params_handler = ocp.PyTreeCheckpointHandler(use_compression=False,
+                                                 save_device_host_concurrent_gb=host_buffer_gb)
+    handlers = {"params": params_handler, "data_state": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
     with ocp.CheckpointManager(checkpoints, options=options, item_handlers=handlers) as manager:
         manager.save(IMPORT_STEP, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(imported.params), data_state=ocp.args.JsonSave({"value": None}),
+            params=ocp.args.PyTreeSave(imported.params), data_state=ocp.args.JsonSave({"value": None}),
             config=ocp.args.JsonSave({"value": json.loads(json.dumps(record))})), force=True)
         manager.wait_until_finished()
     if jax.process_index() == 0:

@@ -9,7 +9,7 @@ import pytest
 from glm5_jax.config import ModelConfig
 from glm5_jax.convert.hf import (ConversionError, from_hf_state_dict, load_hf_checkpoint, save_hf_checkpoint,
                                  to_hf_state_dict)
-from glm5_jax.model.transformer import init
+from glm5_jax.parallel.sharding import abstract_params
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                      num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -21,12 +21,9 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_in
 
 @pytest.fixture(scope="module")
 def params():
-    p = init(CONFIG, jax.random.key(0))
-    # Random biases/norms so every tensor is distinguishable.
-    leaves, tree = jax.tree.flatten(p)
+    # Random values in every leaf (norms and biases too) so every tensor is distinguishable.
     rng = np.random.RandomState(1)
-    return jax.tree.unflatten(tree, [np.asarray(leaf) + np.float32(0.01) * rng.randn(*leaf.shape).astype(np.float32)
-                                     for leaf in leaves])
+    return jax.tree.map(lambda a: (0.05 * rng.randn(*a.shape)).astype(np.float32), abstract_params(CONFIG))
 
 
 def _assert_identical(a, b):

@@ -102,19 +102,38 @@ def export_main(argv: list[str]) -> int:
 
 
 def restore_run_params(run_dir: Path, mesh, step: int | None = None):
-    """(params restored sharded over `mesh`, ModelConfig) of a run directory."""
-    from glm5_jax.checkpoint import Checkpointer
+    """(params restored sharded over `mesh` in the dtypes they were saved in, ModelConfig) of a run
+    directory: an import keeps bf16 weights (and a bf16 router bias) bf16, a training run its master dtype."""
+    import jax
+    import orbax.checkpoint as ocp
+
     from glm5_jax.config import load_model_config
     from glm5_jax.parallel.sharding import abstract_params, param_shardings
+    from glm5_jax.tree_paths import path_string
 
     config_file = next((f for f in (run_dir / "model.yaml", run_dir / "config.yaml") if f.is_file()), None)
     if config_file is None:
         raise ValueError(f"{run_dir} has neither model.yaml (written by import-hf) nor config.yaml (a run)")
+    if not (run_dir / "checkpoints").is_dir():
+        raise ValueError(f"{run_dir} has no checkpoints/ directory")
     config = load_model_config(config_file)
     abstract = abstract_params(config)
-    import jax
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    with ocp.CheckpointManager(run_dir / "checkpoints", options=options,
+                               item_handlers={"params": ocp.StandardCheckpointHandler()}) as manager:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise ValueError(f"step {step} is not in {run_dir / 'checkpoints'} (steps: {list(manager.all_steps())})")
+        metadata = manager.item_metadata(step)["params"]
+        stored = {path_string(p): m for p, m in jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]}
 
-    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                           param_shardings(abstract, mesh))
-    with Checkpointer(run_dir / "checkpoints") as checkpointer:
-        return checkpointer.restore(targets, step=step).params, config
+        def target(path, leaf, sharding):
+            name = path_string(path)
+            if name not in stored or tuple(stored[name].shape) != tuple(leaf.shape):
+                raise ValueError(f"parameter '{name}' of {config_file} (shape {tuple(leaf.shape)}) is not in "
+                                 f"step {step} of {run_dir / 'checkpoints'} with that shape")
+            return jax.ShapeDtypeStruct(leaf.shape, stored[name].dtype, sharding=sharding)
+
+        targets = jax.tree_util.tree_map_with_path(target, abstract, param_shardings(abstract, mesh))
+        restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(targets)))
+    return restored["params"], config

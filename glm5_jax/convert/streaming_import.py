@@ -1,9 +1,10 @@
 """Import a Hugging Face checkpoint directory straight onto a mesh, one tensor at a time.
 
-Every parameter is a `jax.make_array_from_callback` global array: each process builds only the slices its
-own devices hold, reading the HF tensors under each slice one at a time (routed experts are stacked
-slice by slice, never as a whole host stack). Host memory is the process's own shards plus the tensor in
-flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked; FP8 weights are
+Every parameter is a global array built from the slices each process's own devices hold (as
+`jax.make_array_from_callback`, one slice at a time): a slice is assembled from the HF tensors under it,
+read one at a time (routed experts are stacked slice by slice, never as a whole host stack), and moved to
+its devices before the next is read. Host memory beyond the device shards: one device's slice of a leaf
+plus the tensor in flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked; FP8 weights are
 dequantized on the way in and listed in the result.
 """
 
@@ -39,6 +40,24 @@ def abstract_from_plan(plan) -> dict:
                         plan.dtypes, is_leaf=is_recipe)
 
 
+def global_array(shape: tuple[int, ...], sharding, read_slice) -> jax.Array:
+    """`jax.make_array_from_callback`, but each distinct slice is read and moved to its devices before the
+    next is read (make_array_from_callback builds every local slice on the host first, which for a stacked
+    expert weight is the process's whole share of it)."""
+    devices_by_slice: dict[tuple, list] = {}
+    index_of: dict[tuple, tuple] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        devices_by_slice.setdefault(key, []).append(device)
+        index_of[key] = index
+    shards = []
+    for key, devices in devices_by_slice.items():
+        host = read_slice(index_of[key])
+        shards += [jax.device_put(host, device) for device in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
 def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig | None = None,
               param_dtype: str | None = None, compute_dtype: str | None = None, fp8_dtype: str = "bfloat16",
               require_mtp: bool = False) -> ImportedCheckpoint:
@@ -66,8 +85,7 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
     cache = ItemCache()
 
     def build(recipe, dtype, sharding):
-        array = jax.make_array_from_callback(
-            recipe.shape, sharding, lambda index: read_leaf_slice(source, recipe, dtype, index, cache))
+        array = global_array(recipe.shape, sharding, lambda index: read_leaf_slice(source, recipe, dtype, index, cache))
         cache.clear()
         return array
 

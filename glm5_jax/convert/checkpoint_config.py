@@ -35,9 +35,12 @@ def dense_layers_from_types(hf_config: dict) -> int | None:
     if types is None:
         return None
     layers = hf_config.get("num_hidden_layers")
-    if not isinstance(types, (list, tuple)) or len(types) != layers:
-        raise ConversionError(f"config.json mlp_layer_types has {len(types) if isinstance(types, (list, tuple)) else types!r} "
-                              f"entries; num_hidden_layers={layers} needs one per layer")
+    if not isinstance(types, (list, tuple)):
+        raise ConversionError(f"config.json mlp_layer_types={types!r} is invalid: must be a list of "
+                              f"{MLP_LAYER_TYPES}, one per layer")
+    if len(types) != layers:
+        raise ConversionError(f"config.json mlp_layer_types has {len(types)} entries; num_hidden_layers={layers} "
+                              "needs one per layer")
     bad = [t for t in types if t not in MLP_LAYER_TYPES]
     if bad:
         raise ConversionError(f"config.json mlp_layer_types contains {bad[0]!r}; valid types are {MLP_LAYER_TYPES}")

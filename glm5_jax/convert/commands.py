@@ -125,7 +125,8 @@ def restore_run_params(run_dir: Path, mesh, step: int | None = None):
         if step is None or step not in manager.all_steps():
             raise ValueError(f"step {step} is not in {run_dir / 'checkpoints'} (steps: {list(manager.all_steps())})")
         metadata = manager.item_metadata(step)["params"]
-        stored = {path_string(p): m for p, m in jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]}
+        flat = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
+        stored = {path_string(p): m for p, m in flat}
 
         def target(path, leaf, sharding):
             name = path_string(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from glm5_jax.config import ModelConfig
@@ -22,7 +23,8 @@ def to_hf_state_dict(params: dict, config: ModelConfig, *, fused_experts: bool =
                      include_mtp: bool = True) -> dict[str, np.ndarray]:
     """Export to HF tensor names. `fused_experts=False` gives the released checkpoint layout, True the
     in-memory transformers layout (`experts.gate_up_proj` [E, 2F, D], `experts.down_proj` [E, D, F])."""
-    out = {spec.name: np.ascontiguousarray(recipe.to_hf(np.asarray(leaf[index] if index else leaf)))
+    params = jax.tree.map(np.asarray, params)  # one transfer per leaf, then host slicing per tensor
+    out = {spec.name: np.ascontiguousarray(recipe.to_hf(leaf[index] if index else leaf))
            for spec, recipe, leaf, index in hf_tensors(params, config, include_mtp=include_mtp)}
     if fused_experts:
         _fuse_experts(out, config)

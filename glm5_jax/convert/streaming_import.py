@@ -4,8 +4,8 @@ Every parameter is a global array built from the slices each process's own devic
 `jax.make_array_from_callback`, one slice at a time): a slice is assembled from the HF tensors under it,
 read one at a time (routed experts are stacked slice by slice, never as a whole host stack), and moved to
 its devices before the next is read. Host memory beyond the device shards: one device's slice of a leaf
-plus the tensor in flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked; FP8 weights are
-dequantized on the way in and listed in the result.
+plus the tensor in flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked;
+FP8 weights are dequantized on the way in and listed in the result.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import yaml
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import DTYPES, ModelConfig
 from glm5_jax.convert.checkpoint_config import model_config_from_checkpoint
 from glm5_jax.convert.hf_layout import is_recipe
 from glm5_jax.convert.import_plan import ItemCache, plan_import, read_leaf_slice
@@ -68,11 +68,16 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
                          f"{type(mesh).__name__}")
     if fp8_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"fp8_dtype={fp8_dtype!r} is invalid: FP8 weights dequantize to 'bfloat16' or 'float32'")
+    for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype)):
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"{name}={value!r} is invalid: must be one of {DTYPES}")
     source = CheckpointDir(path, fp8_dtype=fp8_dtype)
     if config is None:
         config, note = model_config_from_checkpoint(source.config, param_dtype=param_dtype,
                                                     compute_dtype=compute_dtype)
     else:
+        if compute_dtype is not None:
+            config = dataclasses.replace(config, compute_dtype=compute_dtype)
         note = f"parameters {param_dtype or 'as stored'}, compute {config.compute_dtype} (config given)"
     plan = plan_import(source, config, dtype=param_dtype, require_mtp=require_mtp)
     abstract = abstract_from_plan(plan)

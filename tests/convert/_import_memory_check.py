@@ -6,7 +6,6 @@
         CPU backend loaded) and the process's peak RSS (VmHWM) after it
 """
 
-import dataclasses
 import json
 import os
 import sys

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
-from glm5_jax.convert.streaming_import import abstract_from_plan, import_hf  # noqa: E402
+from glm5_jax.convert.streaming_import import import_hf  # noqa: E402
 from glm5_jax.model.transformer import jit_forward  # noqa: E402
 from glm5_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import param_shardings  # noqa: E402

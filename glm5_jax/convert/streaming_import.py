@@ -82,7 +82,10 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
     plan = plan_import(source, config, dtype=param_dtype, require_mtp=require_mtp)
     abstract = abstract_from_plan(plan)
     if mesh is None:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        if jax.process_count() > 1:
+            raise ValueError(f"import_hf on {jax.process_count()} processes needs a mesh over their devices "
+                             "(mesh.<axis>=N on the command line)")
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), abstract)
     else:
         from glm5_jax.parallel.sharding import param_shardings
 

@@ -1,6 +1,7 @@
 """`glm5 import-hf` and `glm5 export-hf`: the released checkpoint in and out of a run directory.
 
     glm5 import-hf HF_DIR RUN_DIR [mesh.<axis>=N ...] [--param-dtype D] [--compute-dtype D] [--fp8-dtype D]
+                   [--host-budget-gb 8]
     glm5 export-hf RUN_DIR OUT_DIR [mesh.<axis>=N ...] [--max-shard-size 5GB] [--step N] [--no-mtp]
 
 The mesh (default: one device) must use every visible device; each process reads only its own shards.
@@ -56,13 +57,17 @@ def import_main(argv: list[str]) -> int:
     parser.add_argument("--compute-dtype", choices=DTYPES, help="default: the checkpoint's config.json dtype")
     parser.add_argument("--fp8-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="what FP8 weights are dequantized to")
+    parser.add_argument("--host-budget-gb", type=float, default=8.0,
+                        help="device slices built on the host at once (slices sharing layers/experts are built "
+                        "together so each tensor is read once)")
     args = parser.parse_args(argv)
     from glm5_jax.convert.streaming_import import import_hf, save_imported
 
     try:
         start = time.perf_counter()
         imported = import_hf(args.hf_dir, mesh=_mesh(args.mesh), param_dtype=args.param_dtype,
-                             compute_dtype=args.compute_dtype, fp8_dtype=args.fp8_dtype)
+                             compute_dtype=args.compute_dtype, fp8_dtype=args.fp8_dtype,
+                             host_budget_bytes=max(1, int(args.host_budget_gb * 2**30)))
         loaded = time.perf_counter() - start
         save_imported(imported, args.run_dir, source=args.hf_dir)
     except (ValueError, FileExistsError) as err:

@@ -92,24 +92,44 @@ class ItemCache:
         return self.value
 
 
-def read_leaf_slice(source, recipe: LeafRecipe, dtype, index: tuple = (), cache: ItemCache | None = None
-                    ) -> np.ndarray:
-    """`leaf[index]` (a tuple of unit-step slices, as `jax.make_array_from_callback` passes) in `dtype`."""
+def _full_index(recipe: LeafRecipe, index: tuple) -> tuple:
+    return tuple(index) + (slice(None),) * (len(recipe.shape) - len(index))
+
+
+def stack_part(recipe: LeafRecipe, index: tuple) -> tuple:
+    """The ranges of the stacked axes an index covers: slices with equal stack parts read the same HF tensors."""
+    return tuple(range(*s.indices(n)) for s, n in zip(_full_index(recipe, index), recipe.stack))
+
+
+def read_leaf_slices(source, recipe: LeafRecipe, dtype, indices: list[tuple],
+                     cache: ItemCache | None = None) -> list[np.ndarray]:
+    """`[leaf[index] for index in indices]` in `dtype` (unit-step slices, as `jax.make_array_from_callback`
+    passes). The indices must cover the same stacked ranges: each HF tensor under them is read once and
+    copied into every slice."""
     cache = cache or ItemCache()
-    index = tuple(index) + (slice(None),) * (len(recipe.shape) - len(index))
+    indices = [_full_index(recipe, index) for index in indices]
     k = len(recipe.stack)
-    stack_ranges = [range(*s.indices(n)) for s, n in zip(index[:k], recipe.stack)]
-    item_index = index[k:]
-    item_sizes = [len(range(*s.indices(n))) for s, n in zip(item_index, recipe.item_shape)]
-    if not stack_ranges:  # one HF tensor: hand over its converted array (or slice) without another copy
+    stack_ranges = list(stack_part(recipe, indices[0]))
+    if any(list(stack_part(recipe, index)) != stack_ranges for index in indices[1:]):
+        raise ValueError(f"slices {indices} cover different stacked layers/experts; read them separately")
+    if not stack_ranges:  # one HF tensor: hand over its converted array (or slices) without another copy
         item = cache.get(source, recipe, ())
-        return np.ascontiguousarray(item[item_index], dtype=dtype)
-    out = np.empty([len(r) for r in stack_ranges] + item_sizes, dtype)
+        return [np.ascontiguousarray(item[index], dtype=dtype) for index in indices]
+    outs = [np.empty([len(r) for r in stack_ranges] +
+                     [len(range(*s.indices(n))) for s, n in zip(index[k:], recipe.item_shape)], dtype)
+            for index in indices]
     for position in itertools.product(*(enumerate(r) for r in stack_ranges)):
         local = tuple(p[0] for p in position)
         item = cache.get(source, recipe, tuple(p[1] for p in position))
-        out[local] = item[item_index]
-    return out
+        for out, index in zip(outs, indices):
+            out[local] = item[index[k:]]
+    return outs
+
+
+def read_leaf_slice(source, recipe: LeafRecipe, dtype, index: tuple = (), cache: ItemCache | None = None
+                    ) -> np.ndarray:
+    """`leaf[index]` in `dtype`."""
+    return read_leaf_slices(source, recipe, dtype, [index], cache)[0]
 
 
 def materialise(source, plan: ImportPlan) -> dict:

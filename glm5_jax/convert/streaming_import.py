@@ -3,8 +3,9 @@
 Every parameter is a global array built from the slices each process's own devices hold (as
 `jax.make_array_from_callback`, one slice at a time): a slice is assembled from the HF tensors under it,
 read one at a time (routed experts are stacked slice by slice, never as a whole host stack), and moved to
-its devices before the next is read. Host memory beyond the device shards: one device's slice of a leaf
-plus the tensor in flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked;
+its devices before the next is read. Slices that cover the same layers/experts are built together (up to a
+host budget) so each HF tensor is read once per process. Host memory beyond the device shards: that budget
+(or one device's slice of a leaf, if larger) plus the tensor in flight (read, and its transposed copy). Stored dtypes are kept unless a dtype is asked;
 FP8 weights are dequantized on the way in and listed in the result.
 """
 
@@ -12,16 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
+import numpy as np
 import yaml
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from glm5_jax.config import DTYPES, ModelConfig
 from glm5_jax.convert.checkpoint_config import model_config_from_checkpoint
-from glm5_jax.convert.hf_layout import is_recipe
-from glm5_jax.convert.import_plan import ItemCache, plan_import, read_leaf_slice
+from glm5_jax.convert.hf_layout import LeafRecipe, is_recipe
+from glm5_jax.convert.import_plan import ItemCache, plan_import, read_leaf_slices, stack_part
 from glm5_jax.convert.tensor_source import CheckpointDir
 
 IMPORT_STEP = 0  # the orbax step an import is saved as
@@ -40,29 +43,55 @@ def abstract_from_plan(plan) -> dict:
                         plan.dtypes, is_leaf=is_recipe)
 
 
-def global_array(shape: tuple[int, ...], sharding, read_slice) -> jax.Array:
-    """`jax.make_array_from_callback`, but each distinct slice is read and moved to its devices before the
-    next is read (make_array_from_callback builds every local slice on the host first, which for a stacked
-    expert weight is the process's whole share of it)."""
+DEFAULT_HOST_BUDGET_BYTES = 8 * 2**30
+
+
+def global_array(recipe: LeafRecipe, dtype, sharding, source, cache: ItemCache,
+                 host_budget_bytes: int = DEFAULT_HOST_BUDGET_BYTES) -> jax.Array:
+    """Like `jax.make_array_from_callback`, without building every local slice on the host first (for a
+    stacked expert weight that is the process's whole share of it): distinct slices that cover the same
+    stacked layers/experts are built together up to `host_budget_bytes` (each HF tensor under them read
+    once), moved to their devices, and dropped before the next group is read."""
     devices_by_slice: dict[tuple, list] = {}
     index_of: dict[tuple, tuple] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    for device, index in sharding.addressable_devices_indices_map(recipe.shape).items():
         key = tuple((s.start, s.stop, s.step) for s in index)
         devices_by_slice.setdefault(key, []).append(device)
         index_of[key] = index
+    by_stack: dict[tuple, list] = {}
+    for key in devices_by_slice:
+        by_stack.setdefault(stack_part(recipe, index_of[key]), []).append(key)
+    itemsize = np.dtype(dtype).itemsize
+
+    def nbytes(key) -> int:
+        return itemsize * math.prod(len(range(*s.indices(n))) for s, n in zip(index_of[key], recipe.shape))
+
     shards = []
-    for key, devices in devices_by_slice.items():
-        host = read_slice(index_of[key])
-        shards += [jax.device_put(host, device) for device in devices]
-        del host
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    for keys in by_stack.values():
+        groups, size = [[]], 0
+        for key in keys:
+            if groups[-1] and size + nbytes(key) > host_budget_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(key)
+            size += nbytes(key)
+        for group in groups:
+            hosts = read_leaf_slices(source, recipe, dtype, [index_of[key] for key in group], cache)
+            for key, host in zip(group, hosts):
+                shards += [jax.device_put(host, device) for device in devices_by_slice[key]]
+            del hosts
+    return jax.make_array_from_single_device_arrays(recipe.shape, sharding, shards)
 
 
 def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig | None = None,
               param_dtype: str | None = None, compute_dtype: str | None = None, fp8_dtype: str = "bfloat16",
-              require_mtp: bool = False) -> ImportedCheckpoint:
+              require_mtp: bool = False, host_budget_bytes: int = DEFAULT_HOST_BUDGET_BYTES) -> ImportedCheckpoint:
     """Read the checkpoint directory `path` into global arrays sharded over `mesh` by the rule table (one
-    device when None). The config comes from its config.json unless given."""
+    device when None). The config comes from its config.json unless given. `host_budget_bytes` bounds the
+    device slices built on the host at once (slices that share layers/experts are built together so their
+    HF tensors are read once; a single larger slice is still built alone)."""
+    if not isinstance(host_budget_bytes, int) or host_budget_bytes <= 0:
+        raise ValueError(f"host_budget_bytes={host_budget_bytes!r} is invalid: must be a positive number of bytes")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh (glm5_jax.parallel.mesh.make_mesh), got "
                          f"{type(mesh).__name__}")
@@ -93,7 +122,7 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
     cache = ItemCache()
 
     def build(recipe, dtype, sharding):
-        array = global_array(recipe.shape, sharding, lambda index: read_leaf_slice(source, recipe, dtype, index, cache))
+        array = global_array(recipe, dtype, sharding, source, cache, host_budget_bytes)
         cache.clear()
         return array
 

@@ -5,6 +5,7 @@ Usage: python _import_multidevice_checks.py HF_DIR EXPECTED_NPZ OUT_DIR
 EXPECTED_NPZ holds `tokens` and HF's float32-compute `logits`. Every check prints "PASS <name>".
 """
 
+import collections
 import os
 import sys
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
 from glm5_jax.convert.streaming_import import import_hf  # noqa: E402
+from glm5_jax.convert.tensor_source import CheckpointDir  # noqa: E402
 from glm5_jax.model.transformer import jit_forward  # noqa: E402
 from glm5_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import param_shardings  # noqa: E402
@@ -46,6 +48,25 @@ def main(hf_dir: str, expected: str, out_dir: str) -> None:
     err = float(np.abs(logits - want["logits"]).max())
     assert err <= 1e-4, err
     print(f"PASS sharded import matches HF logits (max abs err {err:.2e})")
+
+    reads = collections.Counter()
+    original_read = CheckpointDir.read
+
+    def counting_read(self, name):
+        reads[name] += 1
+        return original_read(self, name)
+
+    CheckpointDir.read = counting_read
+    again = import_hf(hf_dir, mesh=mesh, compute_dtype="float32")
+    assert reads and max(reads.values()) == 1, reads.most_common(3)
+    reads.clear()
+    one_slice_at_a_time = import_hf(hf_dir, mesh=mesh, compute_dtype="float32", host_budget_bytes=1)
+    CheckpointDir.read = original_read
+    for a, b, c in zip(*(jax.tree.leaves(p.params) for p in (imported, again, one_slice_at_a_time))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    print(f"PASS each HF tensor read once per process ({len(reads) and max(reads.values())} reads of the busiest "
+          "when slices are built one at a time)")
 
     files = export_hf(imported.params, imported.config, out_dir, max_shard_bytes=100_000)
     print(f"PASS exported from the mesh into {len(files)} files")

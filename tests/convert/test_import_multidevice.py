@@ -15,7 +15,7 @@ from test_streaming_import import assert_same_tensors  # noqa: E402
 
 CHECKS = Path(__file__).with_name("_import_multidevice_checks.py")
 EXPECTED = ["imported onto fsdp=2 expert=2 tensor=2 with the rule-table shardings",
-            "sharded import matches HF logits", "exported from the mesh into"]
+            "sharded import matches HF logits", "each HF tensor read once per process", "exported from the mesh into"]
 
 
 @pytest.mark.slow

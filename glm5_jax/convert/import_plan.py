@@ -2,8 +2,8 @@
 
 `plan_import` picks the recipes that fit the source (fused or per-expert experts, tied head, MTP present),
 checks that every tensor exists with the expected shape and that nothing is left over, all from names and
-shapes alone. `read_leaf_slice` then builds the part of one leaf that a device owns, reading only the HF
-tensors under that part, one at a time.
+shapes alone. `read_leaf_slices` then builds the parts of one leaf that devices own, reading only the HF
+tensors under those parts, one at a time.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ from glm5_jax.convert.hf_layout import (ConversionError, LeafRecipe, ignorable_n
 class ImportPlan:
     recipes: dict          # the tree of LeafRecipes, structured like the params
     dtypes: dict           # the same tree of numpy dtypes the leaves are built in
-
-    @property
-    def leaves(self) -> list[LeafRecipe]:
-        return jax.tree.leaves(self.recipes, is_leaf=is_recipe)
 
 
 def plan_import(source, config: ModelConfig, *, dtype=None, require_mtp: bool = False) -> ImportPlan:
@@ -61,8 +57,8 @@ def plan_import(source, config: ModelConfig, *, dtype=None, require_mtp: bool = 
     def leaf_dtype(recipe: LeafRecipe):
         if dtype is not None:
             return np.dtype(dtype)
-        name = next(n for _, n in recipe.names()) if recipe.stack else recipe.name(())
-        if name not in names:  # an omitted optional tensor (the router correction bias)
+        name = next((n for _, n in recipe.names()), None)  # the first item's (stacks hold one dtype)
+        if name not in names:  # an omitted optional tensor (the router correction bias), or an empty stack
             return np.dtype(np.float32)
         return np.dtype(source.stored_dtype(name))
 

@@ -25,7 +25,6 @@ class DictSource:
 
     def __init__(self, state_dict: dict):
         self._state = dict(state_dict)
-        self.dequantized: list[str] = []
 
     def names(self) -> set[str]:
         return set(self._state)

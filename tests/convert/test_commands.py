@@ -19,6 +19,7 @@ def _glm5(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=300)
 
 
+@pytest.mark.slow
 def test_import_then_export_from_the_command_line(hf_checkpoint, tmp_path):
     path, *_ = hf_checkpoint
     imported = _glm5("import-hf", str(path), str(tmp_path / "run"), "--compute-dtype", "float32")

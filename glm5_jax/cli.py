@@ -25,7 +25,8 @@ def _cmd_params(args) -> int:
 
 
 SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan",
-                      "compile": "glm5_jax.parallel.aot"}
+                      "compile": "glm5_jax.parallel.aot", "import-hf": "glm5_jax.convert.import_command",
+                      "export-hf": "glm5_jax.convert.export_command"}
 
 
 def main(argv: list[str] | None = None) -> int:

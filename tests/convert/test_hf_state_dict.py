@@ -9,7 +9,7 @@ import pytest
 from glm5_jax.config import ModelConfig
 from glm5_jax.convert.hf import (ConversionError, from_hf_state_dict, load_hf_checkpoint, save_hf_checkpoint,
                                  to_hf_state_dict)
-from glm5_jax.model.transformer import init
+from glm5_jax.parallel.sharding import abstract_params
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                      num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -21,12 +21,9 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_in
 
 @pytest.fixture(scope="module")
 def params():
-    p = init(CONFIG, jax.random.key(0))
-    # Random biases/norms so every tensor is distinguishable.
-    leaves, tree = jax.tree.flatten(p)
+    # Random values in every leaf (norms and biases too) so every tensor is distinguishable.
     rng = np.random.RandomState(1)
-    return jax.tree.unflatten(tree, [np.asarray(leaf) + np.float32(0.01) * rng.randn(*leaf.shape).astype(np.float32)
-                                     for leaf in leaves])
+    return jax.tree.map(lambda a: (0.05 * rng.randn(*a.shape)).astype(np.float32), abstract_params(CONFIG))
 
 
 def _assert_identical(a, b):
@@ -66,7 +63,7 @@ def test_fused_and_per_expert_layouts_agree(params):
 def test_checkpoint_of_another_shape_is_refused(params):
     state = to_hf_state_dict(params, CONFIG)
     other = dataclasses.replace(CONFIG, kv_lora_rank=8)
-    with pytest.raises(ConversionError, match="kv_a_proj_with_mqa.weight.*another model shape"):
+    with pytest.raises(ConversionError, match=r"kv_a_(proj_with_mqa|layernorm)\.weight.*another model shape"):
         from_hf_state_dict(state, other)
     state.pop("model.layers.2.mlp.gate.weight")
     with pytest.raises(ConversionError, match="model.layers.2.mlp.gate.weight.*missing"):

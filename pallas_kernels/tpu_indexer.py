@@ -65,9 +65,12 @@ def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref,
     def _():
         k = k_ref[...]  # [block_t, J]
         w = w_ref[...]  # [block_s, I]
+        # fp32 operands: full-precision passes (the default would round them to bf16). bf16 operands: the MXU's
+        # bf16 products are exact in fp32 already, and Mosaic rejects fp32 contract precision on bf16 ("Bad lhs").
+        precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
         scores = jnp.zeros(out_ref.shape, jnp.float32)
         for head in range(q_ref.shape[0]):  # [block_s, J] x [J, block_t] per indexer head, ReLU, weighted sum
-            logits = dot_nt(q_ref[head], k, precision=lax.Precision.HIGHEST) * scale
+            logits = dot_nt(q_ref[head], k, precision=precision) * scale
             scores = scores + w[:, head:head + 1] * jnp.maximum(logits, 0.0)
         k_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
         visible = key_valid(pos_ref[...], q_seg_ref[...], k_pos, k_seg_ref[...], num_keys)

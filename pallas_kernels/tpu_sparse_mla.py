@@ -52,6 +52,12 @@ def pad_queries(q: jax.Array, sizes: TpuSizes) -> jax.Array:
     return pad_axis(pad_axis(q, 3, sizes.width), 2, sizes.heads)
 
 
+def latent_rows(latent: jax.Array, sizes: TpuSizes) -> jax.Array:
+    """[B, T, C+R] -> [B, T, 1, W], zero padded: each row a (1, W) tile that one DMA copies whole."""
+    padded = pad_axis(latent, 2, sizes.width)
+    return padded.reshape(*padded.shape[:2], 1, sizes.width)
+
+
 def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
     """int [B, S, N] -> int32 [B, S, Np / block_n, block_n], padded with -1."""
     idx = pad_indices(indices, layout)
@@ -67,8 +73,11 @@ def _valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
 def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
     """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows.
 
-    Rows are DMA'd from HBM one by one into buf [2, block_n, W]; block j+1's copies are in flight while
+    Rows are DMA'd from HBM one by one into buf [2, block_n, 1, W]; block j+1's copies are in flight while
     block j is computed. All copies of one buffer signal its semaphore; each wait consumes one row's worth.
+    lat_hbm is [B, T, 1, W]: a row is its own (1, W) tile, so row n of a block lands at offset n of an
+    untiled dimension. Mosaic rejects single-row copies into a [.., block_n, W] buffer, whose second-minor
+    dimension is tiled by 8 (16 for packed bf16): the offset n is not tile-aligned.
     """
     num_blocks, block_n = idx_smem.shape
     num_keys = lat_hbm.shape[1]
@@ -102,7 +111,7 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
             start(j + 1, 1 - slot)
 
         wait(slot)
-        return body(j, buf[slot], carry)
+        return body(j, buf[slot, :, 0, :], carry)
 
     return lax.fori_loop(0, num_blocks, step, init)
 
@@ -110,8 +119,8 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
 def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
-    Kernel arguments: idx (SMEM), idx (VMEM), latent (HBM), the per-query inputs, the outputs, then the
-    row buffer [2, block_n, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
+    Kernel arguments: idx (SMEM), idx (VMEM), latent [B, T, 1, W] (HBM), the per-query inputs, the outputs,
+    then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
     per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
     HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
     """
@@ -130,7 +139,7 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
                   pl.BlockSpec(memory_space=pl.ANY), *(per_query_spec(x.shape) for x in per_query)],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
-        scratch_shapes=[pltpu.VMEM((2, block_n, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
+        scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
                         *scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret(interpret),
@@ -174,7 +183,7 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
 
     def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
-        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(j * block_n, block_n)],
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(pl.multiple_of(j * block_n, block_n), block_n)],
                                      dk_sem.at[slot])
 
     def body(j, rows, dq):
@@ -206,7 +215,7 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
     batch, q_len = q.shape[:2]
     out, lse = _gather_call(
         functools.partial(_forward_kernel, scale=scale, values=sizes.values),
-        block_indices(indices, layout), pad_axis(latent, 2, sizes.width), [q_p],
+        block_indices(indices, layout), latent_rows(latent, sizes), [q_p],
         [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
          ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
         interpret=interpret)
@@ -230,8 +239,10 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
     sizes = TpuSizes.of(layout)
     kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values)
 
+    rows = latent_rows(latent, sizes)  # made once, outside the chunk loop
+
     def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
-        (q_c,), (lat,) = q_parts, latent_parts
+        (q_c,), lat = q_parts, rows  # latent_parts (the [B, T, W] padded latent) sizes d(latent) only
         idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
         dq, dk = _gather_call(
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
@@ -271,6 +282,6 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     sizes = TpuSizes.of(layout)
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
-    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, pad_axis(latent, 2, sizes.width),
+    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
                         [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret)
     return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

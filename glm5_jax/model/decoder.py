@@ -65,7 +65,7 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
         from pallas_kernels import indexer_topk
 
         indices, _ = indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=ctx.segment_ids,
-                                  k_segment_ids=ctx.segment_ids)
+                                  k_segment_ids=ctx.segment_ids, **config.pallas_options)
         return indices
     return indexer.select_topk(q, k, weights, ctx.segment_ids, ctx.segment_ids, config.index_topk,
                                query_chunk=config.index_query_chunk)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,13 +117,26 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
     return lax.fori_loop(0, num_blocks, step, init)
 
 
-def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool):
+def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int) -> pl.CostEstimate:
+    """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
+    per-program flops / transcendentals times the B x S programs; bytes: inputs and outputs once, plus each
+    program's gathered rows (N_p x W per query, re-read from HBM even when queries share them)."""
+    programs = idx.shape[0] * idx.shape[1]
+    row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * latent.dtype.itemsize
+    moved = sum(x.size * x.dtype.itemsize for x in (idx, *per_query))
+    moved += sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _ in out_shapes)
+    return pl.CostEstimate(flops=programs * flops, transcendentals=programs * transcendentals,
+                           bytes_accessed=moved + programs * row_bytes)
+
+
+def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
+                 transcendentals: int):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
     Kernel arguments: idx (SMEM), idx (VMEM), latent [B, T, 1, W] (HBM), the per-query inputs, the outputs,
     then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
     per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
-    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
+    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm"). flops / transcendentals: per program.
     """
     batch, q_len, _, block_n = idx.shape
 
@@ -142,6 +156,7 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
         scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
                         *scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=_gather_cost(idx, latent, per_query, out_shapes, flops=flops, transcendentals=transcendentals),
         interpret=tpu_interpret(interpret),
     )(idx, idx, latent, *per_query)
 
@@ -218,7 +233,8 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
         block_indices(indices, layout), latent_rows(latent, sizes), [q_p],
         [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
          ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
-        interpret=interpret)
+        interpret=interpret, flops=2 * sizes.heads * layout.slots_padded * (sizes.width + sizes.values),
+        transcendentals=sizes.heads * layout.slots_padded)
     return out[:, :, : layout.heads, : layout.latent_dim], lse[:, :, : layout.heads, 0]
 
 
@@ -248,7 +264,9 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
             [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
             scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
-            interpret=interpret)
+            interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
+            # logits and do.v, key and value row gradients, dq
+            flops=2 * sizes.heads * layout.slots_padded * (3 * sizes.width + 2 * sizes.values))
         return (dq,), (dk,)
 
     do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
@@ -283,5 +301,7 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
     (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
-                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret)
+                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
+                        flops=2 * sizes.heads * layout.slots_padded * sizes.width,
+                        transcendentals=sizes.heads * layout.slots_padded)
     return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

@@ -119,7 +119,9 @@ def _dsa_training(q, latent, q_index, k_index, weights):
 def _flash_training(q, k, v):
     from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
 
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, sm_scale=QK_DENSE**-0.5).astype(F32))  # noqa: E731
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=True, sm_scale=QK_DENSE**-0.5).astype(F32))
+
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 

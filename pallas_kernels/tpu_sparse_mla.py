@@ -134,7 +134,7 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
     Kernel arguments: idx (SMEM), idx (VMEM), latent [B, T, 1, W] (HBM), the per-query inputs, the outputs,
-    then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
+    then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx: [B, S, Np/block_n, block_n];
     per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
     HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm"). flops / transcendentals: per program.
     """
@@ -153,8 +153,8 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
                   pl.BlockSpec(memory_space=pl.ANY), *(per_query_spec(x.shape) for x in per_query)],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
-        scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        *scratch],
+        scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype),
+                        pltpu.SemaphoreType.DMA((2,)), *scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=_gather_cost(idx, latent, per_query, out_shapes, flops=flops, transcendentals=transcendentals),
         interpret=tpu_interpret(interpret),
@@ -198,8 +198,8 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
 
     def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
-        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(pl.multiple_of(j * block_n, block_n), block_n)],
-                                     dk_sem.at[slot])
+        first = pl.multiple_of(j * block_n, block_n)  # tells Mosaic the tiled-dim offset is tile-aligned
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(first, block_n)], dk_sem.at[slot])
 
     def body(j, rows, dq):
         slot = lax.rem(j, 2)

@@ -34,6 +34,7 @@ def require_finite_floats(config, prefix: str) -> None:
 
 
 ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
+PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
 MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -84,6 +85,9 @@ class ModelConfig:
     # JAX-side choices.
     # "auto" picks "dense" or "sparse" per call from the shapes (model/attention.py: choose_backend).
     attention_backend: str = "auto"
+    # Kernels of the "pallas" backend: "auto" = TPU (Mosaic) on a TPU backend, else GPU (Triton), interpreted
+    # on CPU; "gpu" / "tpu" = that platform's compiled kernels, e.g. to AOT-compile for TPU on a CPU host.
+    pallas_platform: str = "auto"
     moe_backend: str = "ragged"
     # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each
     # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.
@@ -100,6 +104,11 @@ class ModelConfig:
     index_query_chunk: int = 0
 
     # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def pallas_options(self) -> dict:
+        """platform / interpret keywords for the pallas_kernels entry points ({} = their defaults)."""
+        return {} if self.pallas_platform == "auto" else dict(platform=self.pallas_platform, interpret=False)
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -194,7 +203,8 @@ class ModelConfig:
             _fail("scan_layers", self.scan_layers, "must be true or false")
         if not self.moe_capacity_factor >= 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
-        for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS),
+        for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),
+                              ("moe_backend", MOE_BACKENDS),
                               ("ep_transport", ("auto", "padded", "ragged")),
                               ("remat_policy", REMAT_POLICIES), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES)):

@@ -52,6 +52,10 @@ def _visible_key_block(t, last_ref, i, block_t: int):
     return jnp.minimum(t, lax.div(jnp.maximum(last_ref[i], 0), block_t))  # lax.div: jnp's // lowers via sign
 
 
+def _bytes(*arrays) -> int:
+    return sum(x.size * x.dtype.itemsize for x in arrays)
+
+
 def _tpu_params(*semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
@@ -65,9 +69,12 @@ def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref,
     def _():
         k = k_ref[...]  # [block_t, J]
         w = w_ref[...]  # [block_s, I]
+        # fp32 operands: full-precision passes (the default would round them to bf16). bf16 operands: the MXU's
+        # bf16 products are exact in fp32 already, and Mosaic rejects fp32 contract precision on bf16 ("Bad lhs").
+        precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
         scores = jnp.zeros(out_ref.shape, jnp.float32)
         for head in range(q_ref.shape[0]):  # [block_s, J] x [J, block_t] per indexer head, ReLU, weighted sum
-            logits = dot_nt(q_ref[head], k, precision=lax.Precision.HIGHEST) * scale
+            logits = dot_nt(q_ref[head], k, precision=precision) * scale
             scores = scores + w[:, head:head + 1] * jnp.maximum(logits, 0.0)
         k_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
         visible = key_valid(pos_ref[...], q_seg_ref[...], k_pos, k_seg_ref[...], num_keys)
@@ -105,6 +112,10 @@ def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret:
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
         compiler_params=_tpu_params("parallel", "parallel", "parallel"),
+        # Every tile, causal skipping not counted (an upper bound); keys re-read once per query block.
+        cost_estimate=pl.CostEstimate(flops=batch * len_p * keys_p * heads * (2 * head_dim + 3), transcendentals=0,
+                                      bytes_accessed=_bytes(q_heads, w) + (len_p // block_s) * _bytes(k_p)
+                                      + 4 * batch * len_p * keys_p),
         interpret=tpu_interpret(interpret),
     )(_last_positions(q_pos_p, block_s), q_heads, k_p, pad_axis(w, 1, len_p), q_pos_p[:, None],
       pad_axis(q_seg, 1, len_p)[..., None], pad_axis(k_seg, 1, keys_p)[:, None, :])
@@ -200,6 +211,10 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
     operands = (last, q_rows, k_p, row_pos, row_seg, k_seg_p)
     grid = (batch, num_s, keys_p // block_t)
     common = dict(scale=scale, num_keys=k_len)
+    # Per pass, every tile (causal skipping not counted: an upper bound); keys re-read once per query block.
+    pass_cost = pl.CostEstimate(flops=2 * batch * len_p * heads * keys_p * width_p,
+                                transcendentals=batch * len_p * heads * keys_p,
+                                bytes_accessed=_bytes(q_rows) + num_s * _bytes(k_p) + 4 * batch * len_p * keys_p)
     lse = pl.pallas_call(  # pass 1: per-(head, query) lse, [B, S / block_s, H * block_s, 1]
         functools.partial(_dense_lse_kernel, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -207,6 +222,7 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
             scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((batch, num_s, rows, 1), jnp.float32),
         compiler_params=_tpu_params("parallel", "parallel", "arbitrary"),
+        cost_estimate=pass_cost,
         interpret=tpu_interpret(interpret),
     )(*operands)
     target = pl.pallas_call(  # pass 2: [block_s, block_t] tiles of the head-summed probabilities
@@ -216,6 +232,7 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
             out_specs=pl.BlockSpec((None, block_s, block_t), lambda b, i, t, last: (b, i, t))),
         out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
         compiler_params=_tpu_params("parallel", "parallel", "parallel"),
+        cost_estimate=pass_cost,
         interpret=tpu_interpret(interpret),
     )(*operands, lse)
     return target[:, :q_len, :k_len]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,12 @@ def pad_queries(q: jax.Array, sizes: TpuSizes) -> jax.Array:
     return pad_axis(pad_axis(q, 3, sizes.width), 2, sizes.heads)
 
 
+def latent_rows(latent: jax.Array, sizes: TpuSizes) -> jax.Array:
+    """[B, T, C+R] -> [B, T, 1, W], zero padded: each row a (1, W) tile that one DMA copies whole."""
+    padded = pad_axis(latent, 2, sizes.width)
+    return padded.reshape(*padded.shape[:2], 1, sizes.width)
+
+
 def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
     """int [B, S, N] -> int32 [B, S, Np / block_n, block_n], padded with -1."""
     idx = pad_indices(indices, layout)
@@ -67,8 +74,11 @@ def _valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
 def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
     """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows.
 
-    Rows are DMA'd from HBM one by one into buf [2, block_n, W]; block j+1's copies are in flight while
+    Rows are DMA'd from HBM one by one into buf [2, block_n, 1, W]; block j+1's copies are in flight while
     block j is computed. All copies of one buffer signal its semaphore; each wait consumes one row's worth.
+    lat_hbm is [B, T, 1, W]: a row is its own (1, W) tile, so row n of a block lands at offset n of an
+    untiled dimension. Mosaic rejects single-row copies into a [.., block_n, W] buffer, whose second-minor
+    dimension is tiled by 8 (16 for packed bf16): the offset n is not tile-aligned.
     """
     num_blocks, block_n = idx_smem.shape
     num_keys = lat_hbm.shape[1]
@@ -102,18 +112,31 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
             start(j + 1, 1 - slot)
 
         wait(slot)
-        return body(j, buf[slot], carry)
+        return body(j, buf[slot, :, 0, :], carry)
 
     return lax.fori_loop(0, num_blocks, step, init)
 
 
-def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool):
+def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int) -> pl.CostEstimate:
+    """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
+    per-program flops / transcendentals times the B x S programs; bytes: inputs and outputs once, plus each
+    program's gathered rows (N_p x W per query, re-read from HBM even when queries share them)."""
+    programs = idx.shape[0] * idx.shape[1]
+    row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * latent.dtype.itemsize
+    moved = sum(x.size * x.dtype.itemsize for x in (idx, *per_query))
+    moved += sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _ in out_shapes)
+    return pl.CostEstimate(flops=programs * flops, transcendentals=programs * transcendentals,
+                           bytes_accessed=moved + programs * row_bytes)
+
+
+def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
+                 transcendentals: int):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
-    Kernel arguments: idx (SMEM), idx (VMEM), latent (HBM), the per-query inputs, the outputs, then the
-    row buffer [2, block_n, W], its DMA semaphores and `scratch`. idx is [B, S, Np/block_n, block_n];
+    Kernel arguments: idx (SMEM), idx (VMEM), latent [B, T, 1, W] (HBM), the per-query inputs, the outputs,
+    then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx: [B, S, Np/block_n, block_n];
     per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
-    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
+    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm"). flops / transcendentals: per program.
     """
     batch, q_len, _, block_n = idx.shape
 
@@ -130,9 +153,10 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
                   pl.BlockSpec(memory_space=pl.ANY), *(per_query_spec(x.shape) for x in per_query)],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
-        scratch_shapes=[pltpu.VMEM((2, block_n, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        *scratch],
+        scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype),
+                        pltpu.SemaphoreType.DMA((2,)), *scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=_gather_cost(idx, latent, per_query, out_shapes, flops=flops, transcendentals=transcendentals),
         interpret=tpu_interpret(interpret),
     )(idx, idx, latent, *per_query)
 
@@ -174,8 +198,8 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
 
     def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
-        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(j * block_n, block_n)],
-                                     dk_sem.at[slot])
+        first = pl.multiple_of(j * block_n, block_n)  # tells Mosaic the tiled-dim offset is tile-aligned
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(first, block_n)], dk_sem.at[slot])
 
     def body(j, rows, dq):
         slot = lax.rem(j, 2)
@@ -206,10 +230,11 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
     batch, q_len = q.shape[:2]
     out, lse = _gather_call(
         functools.partial(_forward_kernel, scale=scale, values=sizes.values),
-        block_indices(indices, layout), pad_axis(latent, 2, sizes.width), [q_p],
+        block_indices(indices, layout), latent_rows(latent, sizes), [q_p],
         [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
          ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
-        interpret=interpret)
+        interpret=interpret, flops=2 * sizes.heads * layout.slots_padded * (sizes.width + sizes.values),
+        transcendentals=sizes.heads * layout.slots_padded)
     return out[:, :, : layout.heads, : layout.latent_dim], lse[:, :, : layout.heads, 0]
 
 
@@ -230,14 +255,18 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
     sizes = TpuSizes.of(layout)
     kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values)
 
+    rows = latent_rows(latent, sizes)  # made once, outside the chunk loop
+
     def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
-        (q_c,), (lat,) = q_parts, latent_parts
+        (q_c,), lat = q_parts, rows  # latent_parts (the [B, T, W] padded latent) sizes d(latent) only
         idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
         dq, dk = _gather_call(
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
             [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
             scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
-            interpret=interpret)
+            interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
+            # logits and do.v, key and value row gradients, dq
+            flops=2 * sizes.heads * layout.slots_padded * (3 * sizes.width + 2 * sizes.values))
         return (dq,), (dk,)
 
     do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
@@ -271,6 +300,8 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     sizes = TpuSizes.of(layout)
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
-    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, pad_axis(latent, 2, sizes.width),
-                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret)
+    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
+                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
+                        flops=2 * sizes.heads * layout.slots_padded * sizes.width,
+                        transcendentals=sizes.heads * layout.slots_padded)
     return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

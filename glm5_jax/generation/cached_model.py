@@ -102,7 +102,7 @@ def cached_layer(layer: dict, indexer_params: dict, x: jax.Array, new: NewTokens
         from pallas_kernels import sparse_mla_attention
 
         latent_out, _ = sparse_mla_attention(q, latent[layer_id], topk, scale=config.softmax_scale,
-                                             kv_lora_rank=config.kv_lora_rank)
+                                             kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     else:
         latent_out, _ = attention.sparse_latent_attention(q, latent[layer_id], topk, config.softmax_scale,
                                                           config.kv_lora_rank)

@@ -209,6 +209,6 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
             from pallas_kernels import sparse_mla_attention
 
             latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
-                                                 kv_lora_rank=config.kv_lora_rank)
+                                                 kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
         heads = latent_to_heads(params, latent_out, config)
     return output_projection(params, heads)

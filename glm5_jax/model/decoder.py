@@ -68,7 +68,7 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
 
         def select(q, k, weights, segment_ids):
             return indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=segment_ids,
-                                k_segment_ids=segment_ids)[0]
+                                k_segment_ids=segment_ids, **config.pallas_options)[0]
     else:
         def select(q, k, weights, segment_ids):
             return indexer.select_topk(q, k, weights, segment_ids, segment_ids, config.index_topk,

@@ -39,9 +39,10 @@ def _dense_attention_and_target(attn, proj, visible, segment_ids, config):
     q = attention.absorbed_queries(attn, proj, config)
     every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
     latent, _ = sparse_mla_attention(q, proj["cache"], every_visible, scale=config.softmax_scale,
-                                     kv_lora_rank=config.kv_lora_rank)
+                                     kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]),
-                                    scale=config.softmax_scale, q_segment_ids=segment_ids, k_segment_ids=segment_ids)
+                                    scale=config.softmax_scale, q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+                                    **config.pallas_options)
     return attention.latent_to_heads(attn, latent, config), target
 
 
@@ -55,9 +56,9 @@ def _sparse_attention_and_target(attn, proj, topk, config):
     from pallas_kernels import sparse_attention_target, sparse_mla_attention
 
     latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
-                                       kv_lora_rank=config.kv_lora_rank)
+                                       kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]), topk,
-                                     jax.lax.stop_gradient(lse), scale=config.softmax_scale)
+                                     jax.lax.stop_gradient(lse), scale=config.softmax_scale, **config.pallas_options)
     return attention.latent_to_heads(attn, latent, config), target
 
 
@@ -75,7 +76,8 @@ def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj:
         if config.attention_backend == "pallas":
             from pallas_kernels import indexer_scores
 
-            scores = indexer_scores(q_i, k_i, w_i, q_segment_ids=segment_ids, k_segment_ids=segment_ids)
+            scores = indexer_scores(q_i, k_i, w_i, q_segment_ids=segment_ids, k_segment_ids=segment_ids,
+                                    **config.pallas_options)
         else:
             scores = indexer.index_scores(q_i, k_i, w_i, segment_ids, segment_ids)
         kl = _kl(p, scores, visible)

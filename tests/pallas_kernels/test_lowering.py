@@ -1,8 +1,9 @@
 """The compiled (non-interpret) kernels lower at GLM-5 shapes for both targets, checked on CPU through
 jax.export: Triton for CUDA (platform "gpu") and Mosaic for TPU (platform "tpu"). This catches what
 interpret mode cannot: tiles Triton rejects (non-power-of-two) or that break TPU's (8, 128) rule, ops
-without a lowering, a Mosaic-GPU fallback, SMEM/HBM/VMEM misuse. Compiling the Triton IR to a GPU binary
-and libtpu's own Mosaic compilation (layouts, VMEM limits) still need the hardware."""
+without a lowering, a Mosaic-GPU fallback, SMEM/HBM/VMEM misuse. libtpu's own Mosaic compilation (tile
+alignment, layouts, VMEM limits) is checked in test_tpu_compile.py; compiling the Triton IR to a GPU binary
+still needs a GPU."""
 
 import functools
 

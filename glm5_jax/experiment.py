@@ -20,7 +20,7 @@ class ExperimentConfig:
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig(fsdp=-1)
     distributed: DistributedConfig = DistributedConfig()
     rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.train.rl
 
@@ -42,6 +42,14 @@ class ExperimentConfig:
         if self.train.mode == "rl" and not self.rl:
             _fail("rl", self.rl, "train.mode=rl needs an rl: section (loss, eps_low, eps_high, ...)")
         return self
+
+
+def default_mesh(values: dict) -> dict:
+    """As MaxText does, FSDP takes the devices no other axis claims unless the config says otherwise: with no
+    `mesh:` section a run uses every visible device."""
+    if "fsdp" in values or -1 in values.values():
+        return values
+    return {**values, "fsdp": -1}
 
 
 def validate_mesh_fit(cfg: "ExperimentConfig") -> None:
@@ -75,7 +83,9 @@ def experiment_from_dict(data: dict) -> ExperimentConfig:
     for name in [*SECTIONS, "rl"]:
         if data.get(name) is not None and not isinstance(data[name], dict):
             _fail(name, data[name], f"the {name}: section must be a mapping of field: value lines")
-    kwargs = {name: from_dict(cls, data.get(name) or {}, prefix=name + ".") for name, cls in SECTIONS.items()}
+    kwargs = {name: from_dict(cls, data.get(name) or {}, prefix=name + ".") for name, cls in SECTIONS.items()
+              if name != "mesh"}
+    kwargs["mesh"] = from_dict(MeshConfig, default_mesh(data.get("mesh") or {}), prefix="mesh.")
     for name, section in kwargs.items():  # directly-built sections (optim) skip the loader's finite check
         require_finite_floats(section, name + ".")
     return ExperimentConfig(**kwargs, rl=data.get("rl")).validate()

@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+# libtpu (the test extra, for AOT compiles) would otherwise probe for a TPU in every process.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 

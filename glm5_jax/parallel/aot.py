@@ -12,7 +12,6 @@ the larger being the bound, and the MFU that step time would give.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -71,7 +70,16 @@ def compile_report(cfg: ExperimentConfig, topology: Topology) -> dict:
     devices = topology.devices()
     jitted, state, batch, mesh = abstract_train_step(cfg, devices)
     start = time.perf_counter()
-    compiled = jitted.trace(state, batch).lower().compile()
+    try:
+        compiled = jitted.trace(state, batch).lower().compile()
+    except jax.errors.JaxRuntimeError as err:
+        # XLA:TPU refuses outright a program whose buffers cannot fit; that is a verdict, not a crash.
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return {"topology": topology.name, "chips": len(devices), "chip": topology.chip.generation,
+                "mesh": dict(mesh.shape), "batch": cfg.train.batch_size, "seq": cfg.train.seq_len, "fits": False,
+                "hbm_bytes": topology.chip.hbm_bytes, "compiler_refusal": str(err).splitlines()[0][:500],
+                "compile_seconds": round(time.perf_counter() - start, 1)}
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -113,6 +121,9 @@ def _gib(n: float) -> str:
 
 
 def format_report(report: dict, config_path: str) -> str:
+    if "compiler_refusal" in report:
+        return (f"config:       {config_path}\ntopology:     {report['topology']} ({report['chips']} {report['chip']} "
+                f"chips), mesh {report['mesh']}\nDOES NOT FIT: XLA refused to compile: {report['compiler_refusal']}")
     mem, roof = report["memory_bytes"], report["roofline"]
     lines = [
         f"config:       {config_path}",

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.moe import grouped_swiglu
 from glm5_jax.parallel.mesh import BATCH_AXES, mesh_axis_size
 from glm5_jax.parallel.rules import logical_to_spec
@@ -140,18 +141,25 @@ def _receiver_expert_of_rows(recv_counts: jax.Array, layout: DispatchLayout) -> 
     return expert.reshape(-1).astype(jnp.int32)
 
 
-def _run_local_experts(experts: dict, recv: jax.Array, recv_counts: jax.Array, layout: DispatchLayout) -> jax.Array:
-    """Grouped SwiGLU of the received rows, returned in the receive-buffer layout (padding rows zero)."""
+def _run_local_experts(experts: dict, recv: jax.Array, recv_counts: jax.Array, layout: DispatchLayout,
+                       blocked: bool) -> jax.Array:
+    """Grouped SwiGLU of the received rows, returned in the receive-buffer layout (padding rows zero).
+    `blocked` (CPU, whose `ragged_dot` multiplies every row by every local expert) runs the expert-blocked
+    matmuls of `glm5_jax.model.blocked_experts` instead, padding rows given weight 0."""
     expert = _receiver_expert_of_rows(recv_counts, layout)
+    filled = expert < layout.local_experts
+    if blocked:
+        ids = jnp.where(filled, expert, 0)[:, None]
+        return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
     order = jnp.argsort(expert, stable=True)
     out_sorted = grouped_swiglu(experts, recv[order], recv_counts.sum(0).astype(jnp.int32))
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
-    filled = (expert[order] < layout.local_experts)[:, None].astype(out_sorted.dtype)
-    return jnp.zeros_like(recv).at[order].set(out_sorted * filled, unique_indices=True)
+    mask = filled[order][:, None].astype(out_sorted.dtype)
+    return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)
 
 
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                              layout: DispatchLayout, exchange) -> tuple[jax.Array, jax.Array]:
+                              layout: DispatchLayout, exchange, blocked: bool) -> tuple[jax.Array, jax.Array]:
     """One device's share: (routed output [t, D], assignments dropped here)."""
     t, top_k = expert_ids.shape
     keep, row, send_counts = _assignments(expert_ids, layout)
@@ -159,7 +167,7 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
     token_of = jnp.arange(t * top_k) // top_k
     send = jnp.zeros((rows, x.shape[1]), x.dtype).at[row].add(x[token_of], mode="drop")
     recv, recv_counts, send_back = exchange(send, send_counts)
-    back = send_back(_run_local_experts(experts, recv, recv_counts, layout))
+    back = send_back(_run_local_experts(experts, recv, recv_counts, layout, blocked))
     gathered = back[jnp.minimum(row, rows - 1)]
     scale = jnp.where(keep, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
     routed = (gathered * scale).reshape(t, top_k, -1).sum(1)
@@ -172,10 +180,11 @@ def _local_exchange(send, send_counts):
 
 
 def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                              layout: DispatchLayout) -> tuple[jax.Array, jax.Array]:
+                              layout: DispatchLayout, platform: str | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's buffers and computation with the all-to-all replaced by the identity: the single-device
     path when `layout.expert_shards` is 1, and, for more shards, a shape-exact stand-in the planner traces."""
-    return _dispatch_compute_combine(experts, x, expert_ids, weights, layout, _local_exchange)
+    blocked = (platform or jax.default_backend()) == "cpu"
+    return _dispatch_compute_combine(experts, x, expert_ids, weights, layout, _local_exchange, blocked)
 
 
 def _collective_exchange(layout: DispatchLayout, transport: str):
@@ -226,6 +235,7 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     _validate(experts, x, expert_ids, weights, shards, expert_shards)
     layout = dispatch_layout(x.shape[0] // shards, expert_ids.shape[1], n_experts, expert_shards, capacity_factor)
     exchange = _collective_exchange(layout, _resolve_transport(transport, mesh))
+    blocked = {device.platform for device in mesh.devices.flat} == {"cpu"}
     # F split over `tensor` when it divides; the partial outputs are then summed over `tensor`.
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), experts["gate_proj"].shape, mesh)
     down_spec = logical_to_spec(("experts", "expert_mlp", None), experts["down_proj"].shape, mesh)
@@ -234,13 +244,15 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
 
     def local(experts_local, x_local, ids_local, weights_local):
         routed, dropped = _dispatch_compute_combine(experts_local, x_local, ids_local, weights_local, layout,
-                                                    exchange)
+                                                    exchange, blocked)
         if tensor_split:
             routed = jax.lax.psum(routed, TENSOR_AXIS)
         return routed, jax.lax.psum(dropped, token_axes)
 
     expert_specs = {"gate_proj": up_spec, "up_proj": up_spec, "down_proj": down_spec}
+    # check_vma off: the CPU blocked experts' loop carries start as unsharded zeros (jax would ask for pcasts);
+    # the collectives here are explicit, and the multi-device tests check values and gradients.
     routed, dropped = jax.shard_map(
         local, mesh=mesh, in_specs=(expert_specs, token_spec, token_spec, token_spec),
-        out_specs=(token_spec, PartitionSpec()))(dict(experts), x, expert_ids, weights)
+        out_specs=(token_spec, PartitionSpec()), check_vma=False)(dict(experts), x, expert_ids, weights)
     return routed, {"dropped_assignments": dropped}

@@ -166,8 +166,14 @@ class MeshLayout:
     """The run's mesh and the shardings of its batch and state."""
 
     def __init__(self, cfg: ExperimentConfig):
-        self.mesh = make_mesh(cfg.mesh.resolve(jax.device_count()))
+        mesh_cfg = cfg.mesh.resolve(jax.device_count())
+        self.mesh = make_mesh(mesh_cfg)
         rows = cfg.train.batch_size
+        shards = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.expert
+        if (rows // cfg.train.microbatches) % shards:
+            raise ConfigError(f"train.batch_size={rows} is invalid: each of the {cfg.train.microbatches} "
+                              f"microbatches must split evenly over the {shards} batch shards of mesh "
+                              f"{mesh_cfg.axis_sizes()}")
         # Only the leading (row) dim is named, so one sharding serves batch keys of any rank.
         self.batch = NamedSharding(self.mesh, logical_to_spec(("batch",), (rows,), self.mesh))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())

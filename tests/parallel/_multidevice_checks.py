@@ -1,7 +1,7 @@
 """Checks that need 8 devices, run by tests/parallel/test_multidevice.py in a subprocess: the fake-device flag
 must be set before jax is imported, and the rest of the suite keeps one device.
 
-Usage: python tests/parallel/_multidevice_checks.py GROUP...   (GROUP: ep | checkpoint | plan | train_step)
+Usage: python tests/parallel/_multidevice_checks.py GROUP...   (GROUP: ep | checkpoint | plan | train_step | scaling)
 Every check prints "PASS <name>"; a failed assertion exits non-zero with the traceback.
 """
 
@@ -398,7 +398,46 @@ def group_train_step():
           f"{float(single_metrics['loss']):.6f})")
 
 
-GROUPS = {"ep": group_ep, "checkpoint": group_checkpoint, "plan": group_plan, "train_step": group_train_step}
+# ---------------------------------------------------------------------------------------------
+# The training step `glm5 train` runs: per-device work shrinks with the mesh, memory as planned
+# ---------------------------------------------------------------------------------------------
+
+def compiled_step(overrides: list[str], devices: int):
+    """XLA's per-device FLOPs and memory of the exact step `glm5 train` builds (MTP on, AdamW)."""
+    from glm5_jax.experiment import load_experiment
+    from glm5_jax.parallel.aot import abstract_train_step
+    from glm5_jax.parallel.plan import PlanSettings, plan
+
+    cfg = load_experiment(REPO / "configs" / "tiny.yaml", ["train.batch_size=16", "train.seq_len=128",
+                                                           "optim.name=adamw", *overrides])
+    cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolve(devices))
+    jitted, state, batch, _ = abstract_train_step(cfg, jax.devices()[:devices])
+    compiled = jitted.trace(state, batch).lower().compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    memory = compiled.memory_analysis()
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+             - memory.alias_size_in_bytes)
+    planned = plan(cfg.model, cfg.mesh, PlanSettings(batch=16, seq=128, optimizer="adamw"))
+    return cost["flops"], total, planned["memory_bytes"]["total"]
+
+
+def group_scaling():
+    assert tiny().mtp_num_steps > 0
+    single_flops, _, _ = compiled_step([], 1)
+    cases = {"data=8": ["mesh.data=8"], "fsdp=8": ["mesh.fsdp=8"],
+             "fsdp=2 x expert=4": ["mesh.fsdp=2", "mesh.expert=4", "model.moe_backend=ep"]}
+    for name, overrides in cases.items():
+        flops, memory, planned = compiled_step(overrides, 8)
+        share = flops / single_flops
+        assert share <= 1.25 / 8, f"{name}: per-device FLOPs are {share:.3f} of one device's (limit {1.25 / 8})"
+        ratio = planned / memory
+        assert abs(ratio - 1) <= 0.15, f"{name}: plan {planned} vs compiled {memory} bytes (ratio {ratio:.3f})"
+        print(f"PASS {name}: per-device FLOPs {share:.3f} of one device, plan/compiled memory {ratio:.3f}")
+
+
+GROUPS = {"ep": group_ep, "checkpoint": group_checkpoint, "plan": group_plan, "train_step": group_train_step,
+          "scaling": group_scaling}
 
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()

@@ -31,6 +31,11 @@ EXPECTED = {
         "checkpoint saved on a 2x4 mesh restores on one device with identical values",
         "one training step on a 2x2x2 mesh equals the single-device step",
     ],
+    "scaling": [
+        "data=8: per-device FLOPs",
+        "fsdp=8: per-device FLOPs",
+        "fsdp=2 x expert=4: per-device FLOPs",
+    ],
     "plan": [
         "planner within 15% of XLA: one device, no remat, ragged MoE, MTP",
         "planner within 15% of XLA: data=2 fsdp=2 expert=2, full remat, ep MoE, MTP",

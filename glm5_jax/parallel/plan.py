@@ -321,6 +321,15 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
 # ---------------------------------------------------------------------------------------------
 
 def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
+    for axis, size in mesh.axis_sizes().items():
+        if size == -1:
+            raise PlanError(f"mesh.{axis}=-1 is invalid for a plan: there are no devices to fill it from; give "
+                            "every axis its size")
+    if mesh.tensor > 1:
+        for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+            if getattr(config, field) % mesh.tensor:
+                raise PlanError(f"mesh.tensor={mesh.tensor} is invalid: it must divide model.{field}="
+                                f"{getattr(config, field)}, which it shards")
     shards = mesh.data * mesh.fsdp * mesh.expert
     if batch % shards:
         raise PlanError(f"batch={batch} is invalid: the microbatch is split over data * fsdp * expert = {shards} "

@@ -1,33 +1,24 @@
 """`glm5 import-hf` / `glm5 export-hf` from the command line, and their argument checks."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_subprocess import run_glm5
 
 from glm5_jax.convert.commands import export_main, import_main, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _glm5(*args: str) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO),
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "glm5_jax.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=300)
-
-
 @pytest.mark.slow
 def test_import_then_export_from_the_command_line(hf_checkpoint, tmp_path):
     path, *_ = hf_checkpoint
-    imported = _glm5("import-hf", str(path), str(tmp_path / "run"), "--compute-dtype", "float32")
+    imported = run_glm5("import-hf", str(path), str(tmp_path / "run"), "--compute-dtype", "float32")
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert "dtypes: parameters bfloat16, compute float32 (asked); config.json dtype=bfloat16" in imported.stdout
     assert "peak host memory" in imported.stdout
     assert (tmp_path / "run" / "model.yaml").is_file() and (tmp_path / "run" / "checkpoints" / "0").is_dir()
-    exported = _glm5("export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "100KB")
+    exported = run_glm5("export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "100KB")
     assert exported.returncode == 0, exported.stderr[-3000:]
     files = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
     assert len(files) >= 4 and f"wrote {len(files)} safetensors files" in exported.stdout

@@ -3,15 +3,13 @@ learning rate (and no router-bias update) the run's parameters are the imported 
 master weights in training). Slow (~110 s on 2 cores): it compiles a real training step."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from cli_subprocess import run_glm5
 
 from glm5_jax.config import load_model_config
 from glm5_jax.convert.commands import restore_run_params
@@ -23,13 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "train_tiny_stdlib.yaml"
 
 
-def _glm5(*args: str) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO),
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "glm5_jax.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
-
-
 @pytest.mark.slow
 def test_train_starts_from_imported_weights(tmp_path):
     config = dataclasses.replace(load_model_config(RECIPE), param_dtype="bfloat16")
@@ -37,9 +28,9 @@ def test_train_starts_from_imported_weights(tmp_path):
     released = jax.tree.map(lambda a: (0.05 * rng.standard_normal(a.shape, np.float32)).astype(ml_dtypes.bfloat16),
                             abstract_params(config))
     export_hf(released, config, tmp_path / "hf", max_shard_bytes=500_000)
-    imported = _glm5("import-hf", str(tmp_path / "hf"), str(tmp_path / "base"))
+    imported = run_glm5("import-hf", str(tmp_path / "hf"), str(tmp_path / "base"))
     assert imported.returncode == 0, imported.stderr[-3000:]
-    trained = _glm5("train", str(RECIPE), f"train.init_from={tmp_path / 'base'}", f"train.run_dir={tmp_path / 'ft'}",
+    trained = run_glm5("train", str(RECIPE), f"train.init_from={tmp_path / 'base'}", f"train.run_dir={tmp_path / 'ft'}",
                     "train.steps=1", "train.batch_size=2", "train.seq_len=64", "train.eval_batches=1",
                     "optim.lr=1e-7", "optim.min_lr=1e-8", "optim.warmup_steps=0", "checkpoint.every=1",
                     "train.bias_update_rate=0", "data.max_files=5", "data.validation_fraction=0")

@@ -70,7 +70,9 @@ def test_invalid_settings_name_the_field():
         plan(TINY, MeshConfig(fsdp=4), PlanSettings(batch=6, seq=32))
     ragged = load_model_config("configs/tiny.yaml")
     with pytest.raises(PlanError, match="model.moe_backend='ragged' cannot be planned"):
-        plan(ragged, MeshConfig(data=2), PlanSettings(seq=32))
+        plan(ragged, MeshConfig(expert=2), PlanSettings(seq=32))
+    with pytest.raises(PlanError, match="mesh.tensor=3 is invalid"):
+        plan(TINY, MeshConfig(tensor=3), PlanSettings(seq=32))
     with pytest.raises(PlanError, match=r"optimizer='sgd' is invalid"):
         parse_args(["configs/tiny.yaml", "optimizer=sgd"])
     with pytest.raises(PlanError, match=r"seq='long' is invalid"):

@@ -1,13 +1,11 @@
 """`glm5 import-hf` / `glm5 export-hf` from the command line, and their argument checks."""
 
-from pathlib import Path
 
 import pytest
 from cli_subprocess import run_glm5
 
 from glm5_jax.convert.commands import export_main, import_main, parse_size
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ loop) would be counted as one layer. Here the text is walked from ENTRY through 
 instruction calls (fusions, calls, conditionals, while bodies), multiplying a while body by its trip count
 when the loop condition compares the counter with a constant (the form `lax.scan` and `fori_loop` with static
 bounds compile to); loops with data-dependent bounds (the MoE's loop over used blocks) count once and are
-reported. FLOPs are those of `dot` and `convolution` ops (XLA:TPU writes matmuls as convolutions): 2 x output
-elements x contracted size. Collective bytes are what each device sends in a ring algorithm:
+reported. FLOPs are those of `dot` and `convolution` ops (XLA:TPU writes matmuls as convolutions) and of
+XLA:TPU's grouped-matmul custom calls (`ragged_dot`): 2 x output elements x contracted size. Collective bytes are what each device sends in a ring algorithm:
 all-gather (n-1)/n x result, reduce-scatter (n-1) x result, all-reduce 2 (n-1)/n x size, all-to-all
 (n-1)/n x size, collective-permute the size.
 """
@@ -131,6 +131,17 @@ def _matmul_flops(inst: _Instruction, comp: _Computation) -> float:
     return 2.0 * out_elements * features * taps
 
 
+def _ragged_dot_flops(inst: _Instruction, comp: _Computation) -> float:
+    """XLA:TPU's grouped matmul (a custom call after its int32 group metadata): every output row contracts the
+    lhs's last dim once; the lhs is the first floating-point operand."""
+    out = _arrays(inst.type_text)
+    operands = [comp.shapes.get(name) for name in _operand_names(inst.rest)]
+    lhs = next((shape[0] for shape in operands if shape and shape[0][0] in ("bf16", "f16", "f32", "f64")), None)
+    if not out or lhs is None:
+        return 0.0
+    return 2.0 * math.prod(out[0][1]) * lhs[1][-1]
+
+
 def _group_size(rest: str, num_devices: int) -> int:
     named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
     if named:
@@ -203,6 +214,8 @@ def hlo_stats(text: str, num_devices: int) -> HloStats:
             op = inst.op
             if op in ("dot", "convolution"):
                 c_flops += _matmul_flops(inst, comp)
+            elif op == "custom-call" and inst.name.startswith("ragged-dot"):
+                c_flops += _ragged_dot_flops(inst, comp)
             kind = op[:-len("-start")] if op.endswith("-start") else op
             if kind in COLLECTIVES:
                 c_sent[kind] += _sent_bytes(kind, inst, comp, num_devices)

@@ -397,6 +397,21 @@ def group_train_step():
     print(f"PASS one training step on a 2x2x2 mesh equals the single-device step (loss "
           f"{float(single_metrics['loss']):.6f})")
 
+    # With explicit in/out shardings (as `glm5 train` jits it) the state keeps its layout: one executable.
+    from glm5_jax.parallel.sharding import opt_state_shardings, param_shardings
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = TrainState(step=replicated, params=param_shardings(sharded, mesh),
+                           opt_state=opt_state_shardings(state.opt_state, mesh))
+    pinned = make_train_step(mesh_config, train, tx, mesh=mesh, state_shardings=shardings,
+                             batch_sharding=batch_sharding)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=shard_params(params, mesh),
+                       opt_state=init_opt_state_sharded(tx, shard_params(params, mesh), mesh))
+    for _ in range(3):
+        state, _ = pinned(state, mesh_batch)
+    assert pinned.jitted._cache_size() == 1, pinned.jitted._cache_size()
+    print("PASS three pinned-sharding steps compile one executable")
+
 
 # ---------------------------------------------------------------------------------------------
 # The training step `glm5 train` runs: per-device work shrinks with the mesh, memory as planned

@@ -30,6 +30,7 @@ EXPECTED = {
         "checkpoint saved on a 2x4 mesh restores on 8x1 with identical values",
         "checkpoint saved on a 2x4 mesh restores on one device with identical values",
         "one training step on a 2x2x2 mesh equals the single-device step",
+        "three pinned-sharding steps compile one executable",
     ],
     "scaling": [
         "data=8: per-device FLOPs",

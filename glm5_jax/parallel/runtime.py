@@ -62,8 +62,8 @@ def initialize(cfg: DistributedConfig) -> bool:
         return False
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
-    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over TCP
+    # CPU devices of different processes talk over TCP (gloo); accelerators keep their own collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     explicit = {}
     for key, env in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
         if os.environ.get(env, "") != "":

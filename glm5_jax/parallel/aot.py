@@ -33,6 +33,9 @@ from glm5_jax.train.optim import make_optimizer
 from glm5_jax.train.step import LM_BATCH_KEYS, TrainState, make_train_step
 
 
+TOP_SOURCES = 8  # matmul FLOPs are attributed to the JAX operations they came from, largest first
+
+
 class CompileError(ValueError):
     """The step cannot be compiled as asked."""
 
@@ -65,8 +68,9 @@ def abstract_train_step(cfg: ExperimentConfig, devices):
     return step.jitted, state, batch, mesh
 
 
-def compile_report(cfg: ExperimentConfig, topology: Topology) -> dict:
-    """Compile `cfg`'s training step for `topology` and return the per-chip figures."""
+def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | None = None) -> dict:
+    """Compile `cfg`'s training step for `topology` and return the per-chip figures (and write the compiled
+    HLO text to `hlo_path` when given)."""
     devices = topology.devices()
     jitted, state, batch, mesh = abstract_train_step(cfg, devices)
     start = time.perf_counter()
@@ -84,7 +88,11 @@ def compile_report(cfg: ExperimentConfig, topology: Topology) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    stats = hlo_stats(compiled.as_text(), len(devices))
+    text = compiled.as_text()
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    stats = hlo_stats(text, len(devices))
     chip = topology.chip
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
              - memory.alias_size_in_bytes)
@@ -109,6 +117,7 @@ def compile_report(cfg: ExperimentConfig, topology: Topology) -> dict:
         "model_flops": model_flops_per_chip,
         "collective_bytes": stats.collective_bytes, "collective_counts": stats.collective_counts,
         "dynamic_loops_counted_once": stats.dynamic_loops,
+        "matmul_flops_by_source": dict(list(stats.flops_by_source.items())[:TOP_SOURCES]),
         "plan_total_bytes": planned["memory_bytes"]["total"], "plan_over_compiled": planned["memory_bytes"]["total"] / total,
         "roofline": {"compute_s": compute_s, "collective_s": comm_s, "step_s": step_s,
                      "bound": "compute" if compute_s >= comm_s else "collectives",
@@ -138,9 +147,11 @@ def format_report(report: dict, config_path: str) -> str:
         + ("fits" if report["fits"] else "DOES NOT FIT"),
         f"glm5 plan estimate: {_gib(report['plan_total_bytes'])} = {report['plan_over_compiled']:.2f}x compiled",
         f"per-chip matmul FLOPs: {report['matmul_flops']:.4g} (model FLOPs {report['model_flops']:.4g}; XLA "
-        f"cost_analysis, loop bodies once: {report['xla_cost_flops_loops_once']:.4g})",
-        "per-chip collective bytes sent (ring):",
+        f"cost_analysis, loop bodies once: {report['xla_cost_flops_loops_once']:.4g}); largest sources:",
     ]
+    for source, flops in report.get("matmul_flops_by_source", {}).items():
+        lines.append(f"  {flops / report['matmul_flops']:6.1%}  {flops:.3g}  {source}")
+    lines.append("per-chip collective bytes sent (ring):")
     for kind, sent in sorted(report["collective_bytes"].items()):
         lines.append(f"  {kind:<18} {sent:>16,.0f} bytes in {report['collective_counts'][kind]} ops")
     if report["dynamic_loops_counted_once"]:
@@ -157,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=64 train.batch_size=128")
     parser.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...) or GEN:GRID")
     parser.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    parser.add_argument("--hlo-out", metavar="FILE", help="write the compiled per-chip HLO text to FILE")
     args = parser.parse_intermixed_args(argv)
     try:
         topology = get_topology(args.topology)
         cfg = load_experiment(args.config, args.overrides)
-        report = compile_report(cfg, topology)
+        report = compile_report(cfg, topology, hlo_path=args.hlo_out)
     except (ConfigError, CompileError, TopologyError, ValueError) as err:
         print(f"glm5 compile: {err}", file=sys.stderr)
         return 2

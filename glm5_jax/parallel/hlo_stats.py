@@ -170,6 +170,20 @@ def _sent_bytes(kind: str, inst: _Instruction, comp: _Computation, num_devices: 
             "all-reduce": 2 * size * (n - 1) / n}.get(kind, size * (n - 1) / n)
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_WRAPPERS = {"while", "body", "cond", "closed_call", "remat", "rematted_computation", "branch_0_fun", "branch_1_fun"}
+
+
+def _source(inst: _Instruction) -> str:
+    """The JAX operation an instruction came from (its `op_name` metadata without jit/transpose wrappers)."""
+    match = _OP_NAME.search(inst.rest)
+    if not match:
+        return "(no metadata)"
+    parts = [p for p in match.group(1).split("/")
+             if p not in _WRAPPERS and not p.startswith(("jit(", "pjit(", "jvp(", "transpose(", "checkpoint"))]
+    return "/".join(parts) or match.group(1)
+
+
 def _trip_count(condition: _Computation | None) -> int | None:
     """N of `i < N` when the loop condition compares with a constant; None when the bound is dynamic."""
     if condition is None:
@@ -189,6 +203,7 @@ class HloStats:
     collective_bytes: dict[str, float]
     collective_counts: dict[str, int]
     dynamic_loops: int  # while loops whose trip count is data-dependent (counted once)
+    flops_by_source: dict[str, float] = dataclasses.field(default_factory=dict)  # op_name metadata -> FLOPs
 
     @property
     def total_collective_bytes(self) -> float:
@@ -203,19 +218,24 @@ def hlo_stats(text: str, num_devices: int) -> HloStats:
     dynamic = 0
     memo: dict[str, tuple] = {}
 
-    def visit(name: str) -> tuple[float, dict, dict, int]:
+    def visit(name: str) -> tuple[float, dict, dict, int, dict]:
         if name in memo:
             return memo[name]
         comp = computations.get(name)
         if comp is None:
             raise HloParseError(f"computation {name!r} is called but not defined")
         c_flops, c_sent, c_counts, c_dynamic = 0.0, defaultdict(float), defaultdict(int), 0
+        c_sources: dict[str, float] = defaultdict(float)
         for inst in comp.instructions:
             op = inst.op
+            inst_flops = 0.0
             if op in ("dot", "convolution"):
-                c_flops += _matmul_flops(inst, comp)
+                inst_flops = _matmul_flops(inst, comp)
             elif op == "custom-call" and inst.name.startswith("ragged-dot"):
-                c_flops += _ragged_dot_flops(inst, comp)
+                inst_flops = _ragged_dot_flops(inst, comp)
+            if inst_flops:
+                c_flops += inst_flops
+                c_sources[_source(inst)] += inst_flops
             kind = op[:-len("-start")] if op.endswith("-start") else op
             if kind in COLLECTIVES:
                 c_sent[kind] += _sent_bytes(kind, inst, comp, num_devices)
@@ -232,18 +252,20 @@ def hlo_stats(text: str, num_devices: int) -> HloStats:
                 if op == "while" and key == "condition":
                     continue
                 for callee in names:
-                    f, s, n, d = visit(callee)
+                    f, s, n, d, src = visit(callee)
                     c_flops += times * f
                     for k, v in s.items():
                         c_sent[k] += times * v
                     for k, v in n.items():
                         c_counts[k] += times * v
+                    for k, v in src.items():
+                        c_sources[k] += times * v
                     c_dynamic += d
-        memo[name] = (c_flops, dict(c_sent), dict(c_counts), c_dynamic)
+        memo[name] = (c_flops, dict(c_sent), dict(c_counts), c_dynamic, dict(c_sources))
         return memo[name]
 
-    flops, sent_map, count_map, dynamic = visit(entry)
+    flops, sent_map, count_map, dynamic, sources = visit(entry)
     sent.update(sent_map)
     counts.update(count_map)
     return HloStats(matmul_flops=flops, collective_bytes=dict(sent), collective_counts=dict(counts),
-                    dynamic_loops=dynamic)
+                    dynamic_loops=dynamic, flops_by_source=dict(sorted(sources.items(), key=lambda kv: -kv[1])))

@@ -13,7 +13,8 @@ every expert's update regardless of its load.
 Muon follows Moonlight / GLM-5: Nesterov momentum 0.95, 5 Newton-Schulz steps, the orthogonalised update
 scaled by `muon_rms * sqrt(max(fan_in, fan_out))` so its RMS matches AdamW's, decoupled weight decay, one
 learning rate for both groups. Leading stacked axes (layers L / Lf, experts E) are batch axes: one matrix
-per slice. Matrix layouts per leaf:
+per slice; the layer axis is walked one layer at a time (`muon_layerwise`) so a pod never holds every
+layer's Newton-Schulz intermediates at once. Matrix layouts per leaf:
   q_b_proj  [L, Q, H, K]       split: one [Q, K] per (layer, head);   else one [Q, (H K)] per layer
   kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head); else [C, (H (nope+P))]
   o_proj    [L, H, P, D]       one [(H P), D] per layer
@@ -30,10 +31,11 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.config import ConfigError
 from glm5_jax.tree_paths import path_names, path_string
+from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
 from glm5_jax.train.schedules import SCHEDULES, warmup_then_decay
 
 OPTIMIZERS = ("adamw", "muon")
@@ -264,6 +266,11 @@ def _dimension_numbers_fn(split: bool) -> Callable:
     return dims
 
 
+def _layer_stacked(tree):
+    """True for every leaf whose axis 0 is a layer axis (the scanned stacks), which Muon maps over."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: path_names(path)[0] in _STACKED_SECTIONS, tree)
+
+
 def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation:
     """Scale each orthogonalised matrix by rms * sqrt(max(fan_in, fan_out)) so its update RMS is ~`rms`."""
     def update_fn(updates, state, params=None):
@@ -286,8 +293,8 @@ def _zero_where_frozen(labels) -> optax.GradientTransformation:
 def _muon(cfg: OptimConfig, schedule, nope_sizes: dict[str, int]) -> optax.GradientTransformation:
     dims_fn = _dimension_numbers_fn(cfg.muon_split)
     orthogonalise = optax.chain(
-        scale_by_muon(ns_steps=cfg.ns_steps, beta=cfg.muon_momentum, eps=cfg.eps, nesterov=True,
-                      weight_dimension_numbers=dims_fn),
+        scale_by_muon_layerwise(dims_fn, _layer_stacked, ns_steps=cfg.ns_steps, beta=cfg.muon_momentum,
+                                eps=cfg.eps),
         _scale_to_rms(dims_fn, cfg.muon_rms),
     )
     return optax.chain(

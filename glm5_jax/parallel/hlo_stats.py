@@ -171,6 +171,7 @@ def _sent_bytes(kind: str, inst: _Instruction, comp: _Computation, num_devices: 
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_NO_METADATA = "(no metadata)"  # e.g. a fusion's root: it takes the fusion instruction's source
 _WRAPPERS = {"while", "body", "cond", "closed_call", "remat", "rematted_computation", "branch_0_fun", "branch_1_fun"}
 
 
@@ -178,7 +179,7 @@ def _source(inst: _Instruction) -> str:
     """The JAX operation an instruction came from (its `op_name` metadata without jit/transpose wrappers)."""
     match = _OP_NAME.search(inst.rest)
     if not match:
-        return "(no metadata)"
+        return _NO_METADATA
     parts = [p for p in match.group(1).split("/")
              if p not in _WRAPPERS and not p.startswith(("jit(", "pjit(", "jvp(", "transpose(", "checkpoint"))]
     return "/".join(parts) or match.group(1)
@@ -259,7 +260,7 @@ def hlo_stats(text: str, num_devices: int) -> HloStats:
                     for k, v in n.items():
                         c_counts[k] += times * v
                     for k, v in src.items():
-                        c_sources[k] += times * v
+                        c_sources[_source(inst) if k == _NO_METADATA else k] += times * v
                     c_dynamic += d
         memo[name] = (c_flops, dict(c_sent), dict(c_counts), c_dynamic, dict(c_sources))
         return memo[name]

@@ -284,7 +284,7 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
         drop_metrics_after(run_dir / "metrics.jsonl", start)  # steps after the restored one run (and log) again
 
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
-    writer = SummaryWriter(run_dir / "tb") if primary else None
+    writer = SummaryWriter(run_dir / "tb", first_step=start + 1) if primary else None
     metrics_file = open(run_dir / "metrics.jsonl", "a") if primary else None
     first_loss = last = None
     t_start = time.perf_counter()

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import NEG_INF, sparse_mla_attention
 from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import KVCache, visible_slots, write_rows
 from glm5_jax.model import attention, indexer
-from glm5_jax.model.layers import MASK_VALUE, rms_norm, rope_angles, swiglu
+from glm5_jax.model.layers import rms_norm, rope_angles, swiglu
 from glm5_jax.model.moe import moe_block
 from glm5_jax.model.transformer import dtype_of, full_indexer_slots
 
@@ -53,7 +54,7 @@ def _topk_over_cache(q: jax.Array, weights: jax.Array, positions: jax.Array, key
     # Causality comes from the per-row positions; the model's own mask (one offset for all rows) is off.
     one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
     scores = indexer.index_scores(q, keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
-    scores = jnp.where(visible_slots(positions, max_len), scores, MASK_VALUE)
+    scores = jnp.where(visible_slots(positions, max_len), scores, NEG_INF)
     return indexer.topk_from_scores(scores, topk)
 
 
@@ -99,8 +100,6 @@ def cached_layer(layer: dict, indexer_params: dict, x: jax.Array, new: NewTokens
         topk, index_keys = jax.lax.cond(run_indexer, own_topk, lambda keys: (prev_topk, keys), cache.index_keys)
     q = attention.absorbed_queries(layer["attn"], proj, config)
     if config.attention_backend == "pallas":
-        from pallas_kernels import sparse_mla_attention
-
         latent_out, _ = sparse_mla_attention(q, latent[layer_id], topk, scale=config.softmax_scale,
                                              kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     else:

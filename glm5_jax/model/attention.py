@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import MASK_VALUE, apply_rope_interleaved, normal_init, rms_norm
+from glm5_jax.model.layers import apply_rope_interleaved, normal_init, rms_norm
 from glm5_jax.model.masks import selected_mask, visible_keys
+from pallas_kernels import NEG_INF, sparse_mla_attention
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
 LATENT_NORM_EPS = 1e-6
@@ -93,7 +94,7 @@ def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: Mod
     keys = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))],
                            axis=-1)
     logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
-    logits = jnp.where(allowed[:, None], logits * config.softmax_scale, MASK_VALUE)
+    logits = jnp.where(allowed[:, None], logits * config.softmax_scale, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1)
     # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
     probs = jnp.where(allowed[:, None].any(-1, keepdims=True), probs, 0.0).astype(dtype)
@@ -115,7 +116,7 @@ def _gather_rows(cache: jax.Array, indices: jax.Array) -> jax.Array:
 
 def _latent_probs(q, rows, valid, scale):
     logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
-    logits = jnp.where(valid[:, :, None, :], logits, MASK_VALUE)
+    logits = jnp.where(valid[:, :, None, :], logits, NEG_INF)
     lse = jax.nn.logsumexp(logits, axis=-1)
     return jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0), lse
 
@@ -206,8 +207,6 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
             latent_out, _ = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
                                                     config.kv_lora_rank)
         else:
-            from pallas_kernels import sparse_mla_attention
-
             latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
                                                  kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
         heads = latent_to_heads(params, latent_out, config)

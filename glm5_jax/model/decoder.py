@@ -8,19 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.batch_local import batch_local
 from glm5_jax.model import attention, indexer
 from glm5_jax.model.indexer_kl import attend_with_indexer_kl
 from glm5_jax.model.layers import normal_init, rms_norm, swiglu
 from glm5_jax.model.moe import init_moe, moe_block
-from glm5_jax.parallel.batch_local import batch_local
-
-
-# What a rematerialised layer keeps from its forward pass (config `remat_policy`; "none" keeps everything).
-REMAT_POLICIES = {
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
+from pallas_kernels import indexer_topk
 
 
 class LayerContext(NamedTuple):
@@ -64,8 +57,6 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
     q, weights = indexer.indexer_queries(indexer_params, q_resid, h, ctx.cos, ctx.sin, config)
     k = indexer.indexer_keys(indexer_params, h, ctx.cos, ctx.sin, config)
     if config.attention_backend == "pallas":
-        from pallas_kernels import indexer_topk
-
         def select(q, k, weights, segment_ids):
             return indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=segment_ids,
                                 k_segment_ids=segment_ids, **config.pallas_options)[0]

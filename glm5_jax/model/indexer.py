@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import MASK_VALUE, apply_rope_half_split, apply_rope_interleaved, layer_norm, normal_init
+from glm5_jax.model.layers import apply_rope_half_split, apply_rope_interleaved, layer_norm, normal_init
 from glm5_jax.model.masks import visible_keys
+from pallas_kernels import NEG_INF
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -55,18 +57,18 @@ def indexer_keys(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, con
 
 def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                  k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
-    """Masked fp32 index scores [B, S, T] (invisible keys get MASK_VALUE)."""
+    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF)."""
     head_dim = q.shape[-1]
     logits = jnp.einsum("BSIJ,BTJ->BSIT", q.astype(jnp.float32), k.astype(jnp.float32)) * head_dim**-0.5
     scores = jnp.einsum("BSI,BSIT->BST", weights, jax.nn.relu(logits))
-    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, MASK_VALUE)
+    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, NEG_INF)
 
 
 def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
     """int32 [B, S, min(topk, T)] key indices; slots that landed on invisible keys are -1."""
     n = min(topk, scores.shape[-1])
     values, indices = jax.lax.top_k(scores, n)
-    return jnp.where(values > MASK_VALUE / 2, indices, -1).astype(jnp.int32)
+    return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32)
 
 
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
@@ -84,8 +86,8 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
         return topk_from_scores(index_scores(q_c, k, w_c, seg_c, k_segment_ids, q_offset + start), topk)
 
     def split(a):
-        return jnp.moveaxis(a.reshape(a.shape[0], n_chunks, query_chunk, *a.shape[2:]), 1, 0)
+        return rearrange(a, "B (n c) ... -> n B c ...", n=n_chunks)
 
     starts = jnp.arange(n_chunks) * query_chunk
     out = jax.lax.map(chunk, (split(q), split(weights), split(q_segment_ids), starts))
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], s, -1)
+    return rearrange(out, "n B c N -> B (n c) N")

@@ -8,10 +8,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# A large finite negative number for masked logits: fully masked rows stay finite (no NaN from -inf - -inf).
-MASK_VALUE = -1e30
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, then times scale."""
     x32 = x.astype(jnp.float32)

@@ -5,7 +5,8 @@ Backends (config `moe_backend`):
 - `reference`: every expert on every token, weighted by the dense routing matrix (tests only);
 - `ragged`: dropless; assignments sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`
   (on CPU, where XLA has no grouped kernel, the blocked layout of `glm5_jax.model.blocked_experts`);
-- `ep`: expert parallelism with `shard_map` (see `glm5_jax.parallel`).
+- `ep`: expert parallelism with `shard_map` (`glm5_jax.model.expert_parallel`).
+The routed experts' computations on one device live in `glm5_jax.model.experts`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.blocked_experts import experts_blocked
+from glm5_jax.distributed.batch_local import batch_local, mesh_platform
+from glm5_jax.model.expert_parallel import experts_ep
+from glm5_jax.model.experts import experts_ragged, experts_reference
 from glm5_jax.model.layers import normal_init, swiglu
-from glm5_jax.parallel.batch_local import batch_local, mesh_platform
 
 
 def init_moe(config: ModelConfig, key: jax.Array, dtype) -> dict:
@@ -82,44 +84,6 @@ def route(params: dict, x: jax.Array, config: ModelConfig,
     return expert_ids, weights * config.routed_scaling_factor, scores
 
 
-def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
-    """Every expert on every token; combine with the dense [T, E] routing weights."""
-    n_experts = experts["gate_proj"].shape[0]
-    dtype = x.dtype
-    dense_weights = jnp.zeros((x.shape[0], n_experts), jnp.float32).at[
-        jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
-    gate = jnp.einsum("TD,EDF->TEF", x, experts["gate_proj"].astype(dtype))
-    up = jnp.einsum("TD,EDF->TEF", x, experts["up_proj"].astype(dtype))
-    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype))
-    return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
-
-
-def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """SwiGLU of rows already sorted by expert; `group_sizes` [E] rows per expert (grouped matmuls)."""
-    dtype = x_sorted.dtype
-    gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
-
-
-def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                   platform: str | None = None) -> jax.Array:
-    """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
-    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`.
-    `platform` is the one compiled for (default: the default backend)."""
-    if (platform or jax.default_backend()) == "cpu":
-        return experts_blocked(experts, x, expert_ids, weights)
-    n_tokens, top_k = expert_ids.shape
-    n_experts = experts["gate_proj"].shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes)
-    out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
-    return jnp.zeros_like(x).at[token_of].add(out_sorted)
-
-
 def expert_counts(expert_ids: jax.Array, token_mask: jax.Array, n_experts: int) -> jax.Array:
     """Tokens routed to each expert [E] (int32), counting real (unmasked) tokens only."""
     hits = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.int32).sum(1)  # [T, E]
@@ -161,8 +125,6 @@ def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelCo
                              (flat, expert_ids, weights), (params["experts"],))
         aux_extra = {}
     else:
-        from glm5_jax.parallel.expert_parallel import experts_ep
-
         routed, aux_extra = experts_ep(params["experts"], flat, expert_ids, weights, config, mesh)
     shared = params["shared_experts"]
     out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.config import ModelConfig
-from glm5_jax.model.decoder import REMAT_POLICIES, LayerContext, decoder_layer, init_layer
+from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.model.decoder import LayerContext, decoder_layer, init_layer
 from glm5_jax.model.indexer import init_indexer
 from glm5_jax.model.layers import normal_init, rms_norm
 

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.config import ModelConfig
-from glm5_jax.model.decoder import REMAT_POLICIES, LayerContext, decoder_layer, init_layer
+from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.distributed.logical_axes import constrain
+from glm5_jax.model.decoder import LayerContext, decoder_layer, init_layer
 from glm5_jax.model.indexer import init_indexer
 from glm5_jax.model.layers import normal_init, rms_norm, rope_angles
 from glm5_jax.model.mtp import init_mtp, mtp_forward
 from glm5_jax.model.validation import validate_forward_inputs
-from glm5_jax.parallel.rules import constrain
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 

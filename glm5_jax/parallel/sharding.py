@@ -11,7 +11,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.parallel.rules import (PARAM_SECTIONS, ShardingRuleError, logical_to_spec, param_logical_axes,
+from glm5_jax.model.transformer import init
+from glm5_jax.distributed.logical_axes import (PARAM_SECTIONS, ShardingRuleError, logical_to_spec, param_logical_axes,
                                      param_specs)
 from glm5_jax.tree_paths import path_names
 
@@ -21,7 +22,7 @@ _SPLIT_PART_NAMES = ("uk", "uv")
 
 def _check_mesh(mesh) -> None:
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (see glm5_jax.parallel.mesh.make_mesh), "
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (see glm5_jax.distributed.mesh.make_mesh), "
                          f"got {type(mesh).__name__}")
 
 
@@ -39,15 +40,11 @@ def shard_params(params, mesh: Mesh):
 
 def abstract_params(config: ModelConfig):
     """Shapes and dtypes of `init(config, rng)` without allocating anything."""
-    from glm5_jax.model.transformer import init
-
     return jax.eval_shape(lambda key: init(config, key), jax.random.key(0))
 
 
 def init_sharded(config: ModelConfig, rng: jax.Array, mesh: Mesh):
     """`glm5_jax.model.transformer.init(config, rng)` with every leaf created directly in its shard."""
-    from glm5_jax.model.transformer import init
-
     _check_mesh(mesh)
     config.validate()
     shardings = param_shardings(abstract_params(config), mesh)

@@ -30,8 +30,10 @@ sys.path.insert(0, str(REPO))
 
 from glm5_jax.config import ModelConfig, load_model_config  # noqa: E402
 from glm5_jax.model.layers import swiglu  # noqa: E402
-from glm5_jax.model.moe import experts_reference, init_moe, moe_block, route  # noqa: E402
-from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig, make_mesh  # noqa: E402
+from glm5_jax.model.experts import experts_reference  # noqa: E402
+from glm5_jax.model.moe import init_moe, moe_block, route  # noqa: E402
+from glm5_jax.config.mesh import BATCH_AXES, MeshConfig  # noqa: E402
+from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -239,7 +241,7 @@ def group_ep():
 
 def group_checkpoint():
     from glm5_jax.checkpoint import Checkpointer
-    from glm5_jax.parallel.rules import param_specs
+    from glm5_jax.distributed.logical_axes import param_specs
     from glm5_jax.parallel.sharding import (abstract_with_shardings, init_opt_state_sharded, init_sharded,
                                             opt_state_shardings, param_shardings)
     from glm5_jax.train.optim import OptimConfig, make_optimizer
@@ -419,7 +421,7 @@ def group_train_step():
 
 def compiled_step(overrides: list[str], devices: int):
     """XLA's per-device FLOPs and memory of the exact step `glm5 train` builds (MTP on, AdamW)."""
-    from glm5_jax.experiment import load_experiment
+    from glm5_jax.config.experiment import load_experiment
     from glm5_jax.parallel.aot import abstract_train_step
     from glm5_jax.parallel.plan import PlanSettings, plan
 

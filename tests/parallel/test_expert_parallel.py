@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.moe import experts_reference, init_moe, moe_block
-from glm5_jax.parallel.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
+from glm5_jax.model.experts import experts_reference
+from glm5_jax.model.moe import init_moe, moe_block
+from glm5_jax.model.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
                                                experts_ep)
 
 

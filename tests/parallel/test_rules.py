@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.config import load_model_config
-from glm5_jax.parallel.mesh import MeshConfig, MeshConfigError, make_mesh
-from glm5_jax.parallel.rules import (ShardingRuleError, constrain, logical_to_spec, param_logical_axes,
+from glm5_jax.distributed.mesh import MeshConfig, MeshConfigError, make_mesh
+from glm5_jax.distributed.logical_axes import (ShardingRuleError, constrain, logical_to_spec, param_logical_axes,
                                      param_specs)
 from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
 from glm5_jax.tree_paths import path_names

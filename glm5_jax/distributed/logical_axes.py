@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm5_jax.parallel.mesh import BATCH_AXES
+from glm5_jax.config.mesh import BATCH_AXES
 from glm5_jax.tree_paths import path_names
 
 # Logical name -> candidate mesh axes, in the order they are taken.

@@ -13,25 +13,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from einops import rearrange
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import apply_rope_half_split, apply_rope_interleaved, layer_norm, normal_init
+from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved, layer_norm
+from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import visible_keys
 from pallas_kernels import NEG_INF
 
 INDEXER_NORM_EPS = 1e-6
 
 
-def init_indexer(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3 = jax.random.split(key, 3)
-    std = config.initializer_range
-    q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
-    return {
-        "wq_b": {"kernel": normal_init(k1, (q, i, j), std, dtype)},
-        "wk": {"kernel": normal_init(k2, (d, j), std, dtype)},
-        "k_norm": {"scale": jnp.ones((j,), dtype), "bias": jnp.zeros((j,), dtype)},
-        "weights_proj": {"kernel": normal_init(k3, (d, i), std, dtype)},
-    }
+class Indexer(ParamModule):
+    """The lightning indexer's weights (one per "full" layer; "shared" layers reuse the previous top-k)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
+        self.wq_b = Linear((q, i, j), ("q_lora", "index_heads", "index_head_dim"), rngs, std, dtype)
+        self.wk = Linear((d, j), ("embed", "index_head_dim"), rngs, std, dtype)
+        self.k_norm = Scale(j, dtype, bias=True)
+        self.weights_proj = Linear((d, i), ("embed", "index_heads"), rngs, std, dtype)
 
 
 def _rope_prefix(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, interleaved: bool) -> jax.Array:

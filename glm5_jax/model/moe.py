@@ -13,35 +13,42 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local, mesh_platform
 from glm5_jax.model.expert_parallel import experts_ep
 from glm5_jax.model.experts import experts_ragged, experts_reference
-from glm5_jax.model.layers import normal_init, swiglu
+from glm5_jax.model.layers import Linear, SwiGLU, swiglu
+from glm5_jax.model.variables import ParamModule, normal, param, router_bias
 
 
-def init_moe(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-    std = config.initializer_range
-    d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
-    fs = f * config.n_shared_experts
-    k5a, k5b, k5c = jax.random.split(k5, 3)
-    return {
-        # The router stays fp32 whatever the parameter dtype: its scores decide discrete choices.
-        "router": {"kernel": normal_init(k1, (d, e), std, jnp.float32)},
-        "e_score_correction_bias": jnp.zeros((e,), jnp.float32),
-        "experts": {
-            "gate_proj": normal_init(k2, (e, d, f), std, dtype),
-            "up_proj": normal_init(k3, (e, d, f), std, dtype),
-            "down_proj": normal_init(k4, (e, f, d), std, dtype),
-        },
-        "shared_experts": {
-            "gate_proj": {"kernel": normal_init(k5a, (d, fs), std, dtype)},
-            "up_proj": {"kernel": normal_init(k5b, (d, fs), std, dtype)},
-            "down_proj": {"kernel": normal_init(k5c, (fs, d), std, dtype)},
-        },
-    }
+class RoutedExperts(ParamModule):
+    """The E routed experts' SwiGLU weights, stacked on a leading expert dim."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+        self.gate_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
+        self.up_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
+        self.down_proj = param(normal(rngs, (e, f, d), std, dtype), ("experts", "expert_mlp", "embed"))
+
+
+class MoE(ParamModule):
+    """Router (fp32 whatever the parameter dtype: its scores decide discrete choices), its correction bias,
+    the routed experts and the ungated shared expert."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        d, e = config.hidden_size, config.n_routed_experts
+        self.router = Linear((d, e), ("embed", "router_experts"), rngs, std, jnp.float32)
+        self.e_score_correction_bias = router_bias(jnp.zeros((e,), jnp.float32), ("router_experts",))
+        self.experts = RoutedExperts(config, rngs, dtype)
+        self.shared_experts = SwiGLU(d, config.moe_intermediate_size * config.n_shared_experts, rngs, std, dtype)
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
+                 expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, dict]:
+        return moe_block(self, x, token_mask, config, expert_choices, mesh)
 
 
 def router_scores(params: dict, x: jax.Array) -> jax.Array:
@@ -113,19 +120,21 @@ def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelCo
     flat = x.reshape(b * s, d)
     replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
     expert_ids, weights, scores = route(params, flat, config, replay, mesh)
+    # Plain arrays: the dispatch backends pass them through shard_map and tree maps.
+    experts = {name: params["experts"][name] for name in ("gate_proj", "up_proj", "down_proj")}
     backend = config.moe_backend
     if backend == "reference":
-        routed = experts_reference(params["experts"], flat, expert_ids, weights)
+        routed = experts_reference(experts, flat, expert_ids, weights)
         aux_extra = {}
     elif backend == "ragged":
         # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
         # does per layer), their gradients summed over the shards by shard_map's transpose.
         platform = mesh_platform(mesh)
         routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
-                             (flat, expert_ids, weights), (params["experts"],))
+                             (flat, expert_ids, weights), (experts,))
         aux_extra = {}
     else:
-        routed, aux_extra = experts_ep(params["experts"], flat, expert_ids, weights, config, mesh)
+        routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)
     shared = params["shared_experts"]
     out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
                           shared["down_proj"]["kernel"])

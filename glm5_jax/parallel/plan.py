@@ -38,8 +38,8 @@ from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
                                                dispatch_without_exchange)
-from glm5_jax.distributed.logical_axes import logical_to_spec, param_specs
-from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
 from glm5_jax.model.decoder import LayerContext, decoder_layer
 from glm5_jax.model.layers import rope_angles
 from glm5_jax.model.transformer import forward

@@ -1,11 +1,14 @@
 """Optimizers for GLM-5: AdamW, and Muon (+ Muon Split) for matrices with AdamW for the rest.
 
-Parameter groups come from the leaf paths of the parameter tree (see `param_path_labels`):
-  "muon"            every matrix (leaves named "kernel" and the expert weights), when `name == "muon"`;
-  "adamw"           embedding, lm_head and the MoE router kernel (and every matrix when `name == "adamw"`);
+Parameter groups come from what the model's modules say about each weight (`glm5_jax.model.metadata`:
+its logical dim names, its variable type, whether an indexer owns it; see `param_path_labels`):
+  "muon"            every matrix, when `name == "muon"`;
+  "adamw"           the embedding and LM head (a "vocab" dim) and the MoE router (and every matrix when
+                    `name == "adamw"`);
   "adamw_no_decay"  norm scales/biases and any other leaf with fewer than two matrix axes;
-  "frozen"          `e_score_correction_bias` (updated by the train step, never by the optimizer) and every
-                    leaf outside `trainable`: zero update, no optimizer state, excluded from clipping.
+  "frozen"          the router correction bias (a `RouterBias`: updated by the train step, never by the
+                    optimizer) and every leaf outside `trainable`: zero update, no optimizer state, excluded
+                    from clipping.
 The router kernel [D, E] stays in AdamW as the parameter tree fixes: its columns are the expert centroids
 whose scale sets the sigmoid scores the correction bias balances, and orthogonalising them would equalise
 every expert's update regardless of its load.
@@ -33,16 +36,14 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from glm5_jax.config.core import _fail
 from glm5_jax.config.optim import OptimConfig
+from glm5_jax.model.metadata import ParamInfo, param_info
 from glm5_jax.tree_paths import path_names, path_string
 from glm5_jax.train.schedules import warmup_then_decay
 
 GROUPS = ("muon", "adamw", "adamw_no_decay", "frozen")
 
-_STACKED_SECTIONS = ("dense_layers", "moe_layers", "indexers")  # one leading layer axis
-_INDEXER_KEYS = ("indexers", "indexer")  # the stacked indexers and the MTP layer's own indexer
-_NORM_LEAVES = ("scale", "bias")
-_ADAMW_MATRICES = ("embedding", "lm_head", "router")
-_FROZEN_LEAVES = ("e_score_correction_bias",)
+# Matrices AdamW keeps whatever the optimizer: the embedding and LM head (a "vocab" dim) and the router.
+_ADAMW_AXES = ("vocab", "router_experts")
 _KV_PARTS = ("uk", "uv")
 
 
@@ -56,27 +57,23 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 # Parameter paths and groups
 # ---------------------------------------------------------------------------------------------
 
-def _num_batch_axes(names: tuple[str, ...]) -> int:
-    return int(names[0] in _STACKED_SECTIONS) + int("experts" in names)
-
-
-def _is_trainable(path: str, names: tuple[str, ...], trainable) -> bool:
-    in_indexer = any(key in names for key in _INDEXER_KEYS)
+def _is_trainable(path: str, info: ParamInfo, trainable) -> bool:
     if trainable == "all":
         return True
     if trainable == "indexer":
-        return in_indexer
+        return info.in_indexer
     if trainable == "non_indexer":
-        return not in_indexer
+        return not info.in_indexer
     return any(re.search(pattern, path) for pattern in trainable)
 
 
 def _leaf_label(names: tuple[str, ...], ndim: int, cfg: OptimConfig) -> str:
-    if names[-1] in _FROZEN_LEAVES or not _is_trainable("/".join(names), names, cfg.trainable):
+    info = param_info(names, ndim)
+    if info.router_bias or not _is_trainable("/".join(names), info, cfg.trainable):
         return "frozen"
-    if names[-1] in _NORM_LEAVES or ndim - _num_batch_axes(names) < 2:
+    if ndim - info.stacked_axes < 2:  # norm scales and biases
         return "adamw_no_decay"
-    if cfg.name == "adamw" or any(name in _ADAMW_MATRICES for name in names):
+    if cfg.name == "adamw" or any(name in _ADAMW_AXES for name in info.axes):
         return "adamw"
     return "muon"
 
@@ -95,11 +92,11 @@ def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool) -> M
     """Which axes of a Muon leaf form each matrix's input and output; all other axes are batch axes."""
     if names[-1] in _KV_PARTS:  # one half of a split kv_b_proj: [.., C, H, nope or P] per head
         return MuonDimensionNumbers(reduction_axis=ndim - 3, output_axis=ndim - 1)
-    module = names[-2] if names[-1] == "kernel" else names[-1]
-    core = tuple(range(_num_batch_axes(names), ndim))
-    if module == "o_proj":
+    info = param_info(names, ndim)
+    core = tuple(range(info.stacked_axes, ndim))
+    if info.axes[core[0]] == "heads":  # o_proj [.., H, P, D]: the heads' outputs are one input
         return MuonDimensionNumbers(reduction_axis=core[:-1], output_axis=core[-1:])
-    if split and module in ("q_b_proj", "kv_b_proj"):
+    if split and "heads" in info.axes:  # q_b_proj / kv_b_proj [.., in, H, out]: one matrix per head
         return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])
 

@@ -145,7 +145,7 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
                              rms_norm(h[:, :n], mtp["hnorm"]["scale"], eps)], -1) @ mtp["eh_proj"]["kernel"]
         ctx = LayerContext(cos[:, :n], sin[:, :n], jnp.ones((1, n), jnp.int32), jnp.ones((1, n), bool))
         layer = {key: v for key, v in mtp["layer"].items() if key != "indexer"}
-        h, _, _ = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY)
+        h = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY).hidden
         logits = lm_head_logits(params, rms_norm(h, mtp["shared_head_norm"]["scale"], eps))
         np.testing.assert_allclose(out.mtp_logits[k - 1, :, :n], logits, atol=1e-5)
 

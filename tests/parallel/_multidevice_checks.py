@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
@@ -31,9 +32,14 @@ sys.path.insert(0, str(REPO))
 from glm5_jax.config import ModelConfig, load_model_config  # noqa: E402
 from glm5_jax.model.layers import swiglu  # noqa: E402
 from glm5_jax.model.experts import experts_reference  # noqa: E402
-from glm5_jax.model.moe import init_moe, moe_block, route  # noqa: E402
+from glm5_jax.model.moe import MoE, moe_block, route  # noqa: E402
 from glm5_jax.config.mesh import BATCH_AXES, MeshConfig  # noqa: E402
 from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
+
+
+def init_moe(config, key, dtype) -> dict:
+    """The weights of one MoE block (`MoE` module) as a pure dict."""
+    return nnx.to_pure_dict(nnx.state(MoE(config, nnx.Rngs(key), dtype)))
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -110,9 +110,10 @@ def graphdef(config: ModelConfig, with_mtp: bool | None = None) -> nnx.GraphDef:
 
 
 def merge(params, config: ModelConfig) -> GLM5:
-    """The model holding `params` (a pure dict or an `nnx.State`); the MTP module only when params hold it."""
+    """The model holding `params` (a pure dict or an `nnx.State`; host numpy arrays become device arrays);
+    the MTP module only when params hold it."""
     with_mtp = bool(config.num_nextn_predict_layers) and "mtp" in params
-    return nnx.merge(graphdef(config, with_mtp), params)
+    return nnx.merge(graphdef(config, with_mtp), jax.tree.map(jnp.asarray, params))
 
 
 def _run_stack(stack: DecoderLayer, indexers: Indexer, x: jax.Array, topk: jax.Array, ctx: LayerContext,

@@ -247,7 +247,7 @@ def group_ep():
 
 def group_checkpoint():
     from glm5_jax.checkpoint import Checkpointer
-    from glm5_jax.distributed.logical_axes import param_specs
+    from glm5_jax.parallel.sharding import param_specs
     from glm5_jax.parallel.sharding import (abstract_with_shardings, init_opt_state_sharded, init_sharded,
                                             opt_state_shardings, param_shardings)
     from glm5_jax.train.optim import OptimConfig, make_optimizer

@@ -1,17 +1,50 @@
-"""Command line: `glm5 params CONFIG`, `glm5 train CONFIG [key=value ...]`, `glm5 plan CONFIG ...`,
-`glm5 compile CONFIG --topology NAME ...`."""
+"""The `glm5` command line; this module owns the argument parsing of every subcommand:
+
+    glm5 params CONFIG [key=value ...]
+    glm5 train CONFIG [section.key=value ...] [--allow-config-change]
+    glm5 plan CONFIG [mesh.<axis>=N ...] [batch=N seq=N remat=... optimizer=... device_memory_gib=X] [model.key=value ...]
+    glm5 compile CONFIG --topology NAME [section.key=value ...] [--json] [--hlo-out FILE]
+    glm5 import-hf HF_DIR RUN_DIR [mesh.<axis>=N ...] [--param-dtype D] [--compute-dtype D] [--fp8-dtype D]
+                   [--host-budget-gb 8]
+    glm5 export-hf RUN_DIR OUT_DIR [mesh.<axis>=N ...] [--max-shard-size 5GB] [--step N] [--no-mtp]
+
+A user error (config, data, resume, lock, plan settings, ...) ends with one `glm5 <command>: ...` line naming
+the file or field, the value and what is valid, and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
-from glm5_jax.config import ConfigError, load_model_config
+from glm5_jax.config import DTYPES, ConfigError, load_model_config
+from glm5_jax.config.experiment import load_experiment
+from glm5_jax.config.mesh import MeshConfig
+from glm5_jax.convert.run_dir import mesh_from_overrides, parse_size, restore_run_params
+from glm5_jax.convert.sharded_export import export_hf
+from glm5_jax.convert.streaming_import import import_hf, save_imported
+from glm5_jax.distributed.runtime import DistributedError
+from glm5_jax.model.param_count import count_params
+from glm5_jax.parallel import aot, plan
+from glm5_jax.parallel.topology import TopologyError, get_topology
+from glm5_jax.runner import TrainingError, run
+from glm5_jax.train.run_lock import RunLockedError
+
+PLAN_USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] [batch=N seq=N "
+              "remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] [model.key=value ...]")
+_PLAN_SETTING_TYPES = {"batch": int, "seq": int, "remat": str, "optimizer": str, "device_memory_gib": float}
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
 def _cmd_params(args) -> int:
-    from glm5_jax.model.param_count import count_params
-
     config = load_model_config(args.config, args.overrides)
     counts = count_params(config)
     print(f"config:              {args.config}")
@@ -24,28 +57,159 @@ def _cmd_params(args) -> int:
     return 0
 
 
-SUBCOMMAND_MODULES = {"train": "glm5_jax.train.runner", "plan": "glm5_jax.parallel.plan",
-                      "compile": "glm5_jax.parallel.aot", "import-hf": "glm5_jax.convert.import_command",
-                      "export-hf": "glm5_jax.convert.export_command"}
+def _cmd_train(args) -> int:
+    cfg = load_experiment(args.config, args.overrides)
+    run(cfg, allow_config_change=args.allow_config_change)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in SUBCOMMAND_MODULES:  # these parse their own arguments (and --help)
-        return __import__(SUBCOMMAND_MODULES[argv[0]], fromlist=["main"]).main(argv[1:])
+def parse_plan_items(items: list[str]) -> tuple[MeshConfig, plan.PlanSettings, list[str]]:
+    """`glm5 plan`'s key=value items: mesh.<axis>, plan settings, anything else a model override."""
+    mesh_values: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    overrides = []
+    for item in items:
+        if "=" not in item:
+            raise plan.PlanError(f"argument {item!r} is invalid: expected key=value, e.g. mesh.fsdp=8 or batch=16")
+        key, value = item.split("=", 1)
+        try:
+            if key.startswith("mesh."):
+                mesh_values[key[len("mesh."):]] = int(value)
+            elif key in _PLAN_SETTING_TYPES:
+                settings[key] = _PLAN_SETTING_TYPES[key](value)
+            else:
+                overrides.append(item)
+        except ValueError:
+            raise plan.PlanError(f"{key}={value!r} is invalid: must be a "
+                                 f"{_PLAN_SETTING_TYPES.get(key, int).__name__}") from None
+    return MeshConfig.from_mapping(mesh_values), plan.PlanSettings(**settings).validate(), overrides
+
+
+def _cmd_plan(args) -> int:
+    if "=" in args.config:
+        raise plan.PlanError(f"CONFIG is missing: {PLAN_USAGE}")
+    mesh, settings, overrides = parse_plan_items(args.items)
+    report = plan.plan(load_model_config(args.config, overrides), mesh, settings)
+    print(plan.format_report(report, args.config))
+    print(json.dumps(report))
+    return 0
+
+
+def _cmd_compile(args) -> int:
+    topology = get_topology(args.topology)
+    cfg = load_experiment(args.config, args.overrides)
+    report = aot.compile_report(cfg, topology, hlo_path=args.hlo_out)
+    print(aot.format_report(report, args.config))
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["fits"] else 1
+
+
+def _cmd_import_hf(args) -> int:
+    start = time.perf_counter()
+    imported = import_hf(args.hf_dir, mesh=mesh_from_overrides(args.mesh), param_dtype=args.param_dtype,
+                         compute_dtype=args.compute_dtype, fp8_dtype=args.fp8_dtype,
+                         host_budget_bytes=max(1, int(args.host_budget_gb * 2**30)))
+    loaded = time.perf_counter() - start
+    save_imported(imported, args.run_dir, source=args.hf_dir)
+    print(f"dtypes: {imported.dtype_note}")
+    if imported.dequantized:
+        print(f"dequantized {len(imported.dequantized)} FP8 tensors to {args.fp8_dtype}, e.g. "
+              f"{imported.dequantized[:3]} (full list in the checkpoint's config item)")
+    print(f"read in {loaded:.1f}s, saved in {time.perf_counter() - start - loaded:.1f}s; peak host memory "
+          f"{_peak_rss_gib():.2f} GiB")
+    print(f"wrote {Path(args.run_dir) / 'checkpoints'} and {Path(args.run_dir) / 'model.yaml'}")
+    return 0
+
+
+def _cmd_export_hf(args) -> int:
+    params, config = restore_run_params(Path(args.run_dir), mesh_from_overrides(args.mesh), args.step)
+    files = export_hf(params, config, args.out_dir, max_shard_bytes=parse_size(args.max_shard_size),
+                      include_mtp=not args.no_mtp)
+    print(f"wrote {len(files)} safetensors files to {args.out_dir}; peak host memory {_peak_rss_gib():.2f} GiB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5", description="GLM-5 in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
+
     p = sub.add_parser("params", help="parameter counts of a config, from shapes only (no weights allocated)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides of model fields")
-    p.set_defaults(func=_cmd_params)
-    for name in SUBCOMMAND_MODULES:
-        sub.add_parser(name, help=f"see `glm5 {name} --help`")
-    args = parser.parse_args(argv)
+    p.set_defaults(func=_cmd_params, errors=(ConfigError,))
+
+    p = sub.add_parser("train", help="run an experiment from a config file", description="Run an experiment "
+                       "from a config file.")
+    p.add_argument("config", help="experiment YAML (sections model/optim/train/data/checkpoint)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although the config differs from the checkpoint's (beyond steps, logging, "
+                        "checkpoint cadence)")
+    p.set_defaults(func=_cmd_train,
+                   errors=(ConfigError, TrainingError, RunLockedError, ValueError, DistributedError))
+
+    p = sub.add_parser("plan", help="per-device memory and communication of a config on a mesh, on paper",
+                       description=plan.__doc__, usage=PLAN_USAGE[len("usage: "):],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("items", nargs="*", help="mesh.<axis>=N, plan settings, model.key=value overrides")
+    p.set_defaults(func=_cmd_plan, errors=(plan.PlanError, ConfigError, ValueError))
+
+    p = sub.add_parser("compile", help="AOT-compile the training step for a TPU topology on this machine",
+                       description=aot.__doc__.split("\n\n")[0])
+    p.add_argument("config", help="experiment YAML (the one `glm5 train` would run)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=64 train.batch_size=128")
+    p.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...) or GEN:GRID")
+    p.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    p.add_argument("--hlo-out", metavar="FILE", help="write the compiled per-chip HLO text to FILE")
+    p.set_defaults(func=_cmd_compile, errors=(ConfigError, aot.CompileError, TopologyError, ValueError),
+                   intermixed_parser=p)
+
+    p = sub.add_parser("import-hf", help="import a Hugging Face GLM-5 checkpoint into a run directory",
+                       description="Import a Hugging Face GLM-5 checkpoint directory (bf16, fp32 or block-scaled "
+                       "FP8) into an orbax checkpoint that `glm5 train ... train.init_from=RUN_DIR` starts from.")
+    p.add_argument("hf_dir")
+    p.add_argument("run_dir")
+    p.add_argument("mesh", nargs="*", help="mesh.<axis>=N (data, fsdp, expert, tensor); default one device")
+    p.add_argument("--param-dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--compute-dtype", choices=DTYPES, help="default: the checkpoint's config.json dtype")
+    p.add_argument("--fp8-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="what FP8 weights are dequantized to")
+    p.add_argument("--host-budget-gb", type=float, default=8.0,
+                   help="device slices built on the host at once (slices sharing layers/experts are built "
+                        "together so each tensor is read once)")
+    p.set_defaults(func=_cmd_import_hf, errors=(ValueError, FileExistsError))
+
+    p = sub.add_parser("export-hf", help="export a run's parameters as a sharded Hugging Face checkpoint",
+                       description="Export a run directory's parameters as a sharded Hugging Face checkpoint "
+                       "(released layout, MTP included).")
+    p.add_argument("run_dir", help="holds checkpoints/ and model.yaml (an import) or config.yaml (a run)")
+    p.add_argument("out_dir")
+    p.add_argument("mesh", nargs="*", help="mesh.<axis>=N to restore onto; default one device")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--step", type=int, help="default: the latest")
+    p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
+    p.set_defaults(func=_cmd_export_hf, errors=(ValueError,))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `compile` takes --topology between its overrides; argparse mixes them only within one subparser.
+        intermixed = getattr(args, "intermixed_parser", None)
+        if intermixed is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = args.command
+        args = intermixed.parse_intermixed_args(argv[argv.index(command) + 1:])
+        args.command = command
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"glm5: configuration error: {err}", file=sys.stderr)
+    except args.errors as err:
+        print(f"glm5 {args.command}: {err}", file=sys.stderr)
         return 2
 
 

@@ -41,17 +41,16 @@ from pallas_kernels._common import (
     round_up,
     triton_params,
 )
-from pallas_kernels.sparse_mla import (
+from pallas_kernels.mla_layout import (
     MlaLayout,
-    gathered_rows_in_specs,
     kernel_stages,
     kernel_warps,
     pad_indices,
-    per_query_spec,
     split_latent,
     split_queries,
     validate_sparse_inputs,
 )
+from pallas_kernels.sparse_mla import gathered_rows_in_specs, per_query_spec
 from pallas_kernels.tpu_indexer import tpu_dense_target
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_target
 

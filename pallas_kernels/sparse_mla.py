@@ -14,7 +14,6 @@ S x N x (C+R) exists for the whole sequence.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -23,104 +22,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    MIN_BLOCK,
     NEG_INF,
-    check_block,
-    check_equal,
-    check_float_dtype,
-    check_int_dtype,
     check_positive_int,
-    check_rank,
     check_scale,
     dot_nn,
     dot_nt,
     dot_tn,
     gather_rows,
-    next_power_of_two,
     pad_axis,
     resolve_interpret,
     resolve_platform,
-    round_up,
     triton_params,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MlaLayout:
-    """Real and kernel (power-of-two padded) sizes of one sparse MLA call."""
-
-    heads: int
-    latent_dim: int
-    rope_dim: int
-    num_slots: int
-    block_n: int
-
-    @property
-    def heads_padded(self) -> int:
-        return next_power_of_two(self.heads, MIN_BLOCK)
-
-    @property
-    def latent_padded(self) -> int:
-        return next_power_of_two(self.latent_dim, MIN_BLOCK)
-
-    @property
-    def rope_padded(self) -> int:
-        return next_power_of_two(self.rope_dim, MIN_BLOCK)
-
-    @property
-    def slots_padded(self) -> int:
-        return round_up(self.num_slots, self.block_n)
-
-
-def validate_sparse_inputs(q, latent, indices, kv_lora_rank: int, block_n: int) -> MlaLayout:
-    """Checks shapes/dtypes of a sparse MLA call and returns its layout (raises ValueError)."""
-    check_rank("q", q, 4, "[B, S, H, C+R]")
-    check_rank("latent", latent, 3, "[B, T, C+R]")
-    check_rank("indices", indices, 3, "[B, S, N]")
-    check_float_dtype("q", q)
-    check_float_dtype("latent", latent)
-    check_int_dtype("indices", indices)
-    check_equal("latent.dtype", latent.dtype, q.dtype, "q and latent feed the same matmuls")
-    batch, q_len, heads, width = q.shape
-    check_equal("latent.shape[-1]", latent.shape[-1], width, "q and latent rows are both C+R wide")
-    check_equal("latent.shape[0]", latent.shape[0], batch, "batch of q")
-    check_equal("indices.shape[:2]", tuple(indices.shape[:2]), (batch, q_len), "[B, S] of q")
-    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank < width:
-        raise ValueError(f"kv_lora_rank must be an int in (0, {width}) (the C of C+R={width}); "
-                         f"got {kv_lora_rank!r}")
-    check_block("block_n", block_n)
-    if indices.shape[2] < 1 or latent.shape[1] < 1:
-        raise ValueError(f"need at least one selected slot and one key; got indices.shape={indices.shape}, "
-                         f"latent.shape={latent.shape}")
-    return MlaLayout(heads=heads, latent_dim=kv_lora_rank, rope_dim=width - kv_lora_rank,
-                     num_slots=indices.shape[2], block_n=block_n)
-
-
-def split_queries(q: jax.Array, layout: MlaLayout) -> tuple[jax.Array, jax.Array]:
-    """[B, S, H, C+R] -> latent part [B, S, Hp, Cp] and rope part [B, S, Hp, Rp], zero padded."""
-    q_c = pad_axis(pad_axis(q[..., : layout.latent_dim], 3, layout.latent_padded), 2, layout.heads_padded)
-    q_r = pad_axis(pad_axis(q[..., layout.latent_dim:], 3, layout.rope_padded), 2, layout.heads_padded)
-    return q_c, q_r
-
-
-def split_latent(latent: jax.Array, layout: MlaLayout) -> tuple[jax.Array, jax.Array]:
-    """[B, T, C+R] -> keys/values [B, T, Cp] and rope keys [B, T, Rp], zero padded."""
-    return (pad_axis(latent[..., : layout.latent_dim], 2, layout.latent_padded),
-            pad_axis(latent[..., layout.latent_dim:], 2, layout.rope_padded))
-
-
-def pad_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
-    return pad_axis(indices.astype(jnp.int32), 2, layout.slots_padded, value=-1)
-
-
-def kernel_warps(layout: MlaLayout) -> int:
-    return 8 if layout.heads_padded * layout.latent_padded >= 64 * 512 else 4
-
-
-def kernel_stages(layout: MlaLayout) -> int:
-    """Software pipelining doubles the gathered row tile in shared memory; with GLM-5's 576-wide rows
-    (a 64 x 576 bf16 tile is 72 KiB, plus the queries) two stages would not fit Hopper's 227 KiB."""
-    return 1 if layout.latent_padded >= 256 else 2
+from pallas_kernels.mla_layout import (
+    MlaLayout,
+    backward_shift,
+    chunked_backward,
+    kernel_stages,
+    kernel_warps,
+    pad_indices,
+    split_latent,
+    split_queries,
+    validate_sparse_inputs,
+)
+from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla
 
 
 def _forward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, out_ref, lse_ref, *, scale, block_n):
@@ -238,11 +163,6 @@ def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout:
     )(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
 
 
-def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """acc[b, rows[b, m]] += values[b, m] for every m, duplicates summed; out-of-range rows dropped."""
-    return jax.vmap(lambda a, r, v: a.at[r].add(v, mode="drop"))(acc, rows, values)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
     return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret)[0]
@@ -256,56 +176,6 @@ def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpre
     out = out[:, :, : layout.heads, : layout.latent_dim]
     lse = lse[:, :, : layout.heads]
     return (out, lse), (q, latent, indices, out, lse)
-
-
-def backward_shift(out, d_out, d_lse):
-    """do.out - d lse per (query, head), fp32 [B, S, H]: d loss / d logit = p * (do.v - shift)."""
-    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
-
-
-def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift, *, chunk: int):
-    """Sparse MLA backward over bounded query chunks; shared by the Triton and the TPU kernels.
-
-    q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
-    [B, S, Np] (-1 = unused); d_out [B, S, Hp, *]; lse, shift fp32 [B, S, Hp]. For one chunk of queries,
-    chunk_kernel(q_parts, idx, latent_parts, d_out, lse, shift) returns (dq_parts, dk_parts): dq like
-    q_parts and per-(query, slot) head-summed row gradients dk fp32 [B, chunk, Np, *] like latent_parts.
-    Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
-    Returns (dq_parts [B, S, Hp, *], d(latent) parts fp32 [B, T, *]).
-    """
-    batch, q_len = idx.shape[:2]
-    num_keys = latent_parts[0].shape[1]
-    chunk = min(chunk, q_len)
-    padded_len = round_up(q_len, chunk)
-
-    def pad_queries(x, value=0):
-        return pad_axis(x, 1, padded_len, value)
-
-    q_parts = tuple(pad_queries(x) for x in q_parts)
-    idx = pad_queries(idx, value=-1)
-    d_out, lse, shift = pad_queries(d_out), pad_queries(lse), pad_queries(shift)
-
-    def chunk_step(c, carry):
-        dq_parts, dlat_parts = carry
-        start = c * chunk
-
-        def take(x):
-            return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-
-        idx_chunk = take(idx)
-        dq_chunk, dk_chunk = chunk_kernel(tuple(take(x) for x in q_parts), idx_chunk, latent_parts, take(d_out),
-                                          take(lse), take(shift))
-        rows = jnp.where((idx_chunk >= 0) & (idx_chunk < num_keys), idx_chunk, num_keys).reshape(batch, -1)
-        dlat_parts = tuple(_scatter_add_rows(acc, rows, dk.reshape(batch, rows.shape[1], -1))
-                           for acc, dk in zip(dlat_parts, dk_chunk))
-        dq_parts = tuple(lax.dynamic_update_slice_in_dim(acc, dq, start, axis=1)
-                         for acc, dq in zip(dq_parts, dq_chunk))
-        return dq_parts, dlat_parts
-
-    init = (tuple(jnp.zeros_like(x) for x in q_parts),
-            tuple(jnp.zeros(x.shape, jnp.float32) for x in latent_parts))
-    dq_parts, dlat_parts = lax.fori_loop(0, padded_len // chunk, chunk_step, init)
-    return tuple(x[:, :q_len] for x in dq_parts), dlat_parts
 
 
 def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
@@ -349,7 +219,5 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
     interpret = resolve_interpret(interpret)
     if resolve_platform(platform) == "tpu":
-        from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla  # imports this module: import on use
-
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
     return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG_INF, dot_nn, dot_nt, dot_tn, pad_axis, round_up, tpu_interpret
-from pallas_kernels.sparse_mla import MlaLayout, backward_shift, chunked_backward, pad_indices
+from pallas_kernels.mla_layout import MlaLayout, backward_shift, chunked_backward, pad_indices
 
 LANES = 128
 HEAD_MULTIPLE = 16  # bf16 packs 16 rows per (16, 128) VMEM tile

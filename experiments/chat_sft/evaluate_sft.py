@@ -29,10 +29,10 @@ import yaml
 
 from glm5_jax.data.chat import read_chat_jsonl, render_chat
 from glm5_jax.data.tokenizer import load_tokenizer
-from glm5_jax.experiment import experiment_from_dict
+from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.generation import SamplingParams, generate
 from glm5_jax.model.transformer import forward, init
-from glm5_jax.train.runner import load_params
+from glm5_jax.runner import load_params
 
 STOP_MARKERS = ("<|user|>", "<|assistant|>", "<|observation|>", "<|system|>", "<|endoftext|>")
 OPERATOR_WORDS = {"+": "plus", "-": "minus", "*": "times"}

@@ -1,4 +1,4 @@
-"""Turn `python -m glm5_jax.data.synthetic_chat` output into the experiment's training files.
+"""Turn `experiments/chat_sft/synthetic_chat.py` output into the experiment's training files.
 
     python experiments/chat_sft/prepare_data.py IN.jsonl OUT.jsonl [--unmask-errors]
 

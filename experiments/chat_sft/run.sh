@@ -10,8 +10,8 @@ mkdir -p "$DATA" "$EXP/results"
 
 # 2000 training conversations (seed 0) and 200 held-out ones (seed 1); ~26% carry an erroneous assistant turn
 # (a calculator call with the wrong operator, then a corrected call).
-python -m glm5_jax.data.synthetic_chat "$DATA/raw_train.jsonl" --num-records 2000 --seed 0
-python -m glm5_jax.data.synthetic_chat "$DATA/raw_heldout.jsonl" --num-records 200 --seed 1
+python experiments/chat_sft/synthetic_chat.py "$DATA/raw_train.jsonl" --num-records 2000 --seed 0
+python experiments/chat_sft/synthetic_chat.py "$DATA/raw_heldout.jsonl" --num-records 200 --seed 1
 python "$EXP/prepare_data.py" "$DATA/raw_train.jsonl" "$DATA/train.jsonl"
 python "$EXP/prepare_data.py" "$DATA/raw_train.jsonl" "$DATA/train_unmasked.jsonl" --unmask-errors
 python "$EXP/prepare_data.py" "$DATA/raw_heldout.jsonl" "$DATA/heldout.jsonl"

@@ -21,10 +21,10 @@ import numpy as np
 import yaml
 
 from glm5_jax.config import load_model_config
-from glm5_jax.experiment import experiment_from_dict
+from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.model.flops import attention_flops_per_token
 from glm5_jax.model.transformer import init
-from glm5_jax.train.runner import build_tokenizer, evaluate, load_params
+from glm5_jax.runner import build_tokenizer, evaluate, load_params
 
 
 def held_out_loss(run_dir: Path, topk: int, batches: int) -> float:

@@ -17,11 +17,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from experiments.rl_async.sort_task import SortTask, sft
 from glm5_jax.config import ModelConfig, TrainConfig, _deep_update, apply_overrides, from_dict, load_yaml
+from glm5_jax.config.async_rl import AsyncRLConfig
+from glm5_jax.config.optim import OptimConfig
+from glm5_jax.config.rl import rl_step_config_from_dict
 from glm5_jax.model.transformer import init
-from glm5_jax.rollout.async_rl import AsyncRLConfig, SortTask, greedy_accuracy, run_async_rl, sft
-from glm5_jax.train.optim import OptimConfig
-from glm5_jax.train.rl_step import rl_step_config_from_dict
+from glm5_jax.rollout.async_rl import greedy_accuracy, run_async_rl
 
 HERE = Path(__file__).resolve().parent
 

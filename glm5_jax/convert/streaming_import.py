@@ -26,6 +26,7 @@ from glm5_jax.convert.checkpoint_config import model_config_from_checkpoint
 from glm5_jax.convert.hf_layout import LeafRecipe, is_recipe
 from glm5_jax.convert.import_plan import ItemCache, plan_import, read_leaf_slices, stack_part
 from glm5_jax.convert.tensor_source import CheckpointDir
+from glm5_jax.parallel.sharding import param_shardings
 
 IMPORT_STEP = 0  # the orbax step an import is saved as
 
@@ -93,7 +94,7 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
     if not isinstance(host_budget_bytes, int) or host_budget_bytes <= 0:
         raise ValueError(f"host_budget_bytes={host_budget_bytes!r} is invalid: must be a positive number of bytes")
     if mesh is not None and not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (glm5_jax.parallel.mesh.make_mesh), got "
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (glm5_jax.distributed.mesh.make_mesh), got "
                          f"{type(mesh).__name__}")
     if fp8_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"fp8_dtype={fp8_dtype!r} is invalid: FP8 weights dequantize to 'bfloat16' or 'float32'")
@@ -116,8 +117,6 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
                              "(mesh.<axis>=N on the command line)")
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), abstract)
     else:
-        from glm5_jax.parallel.sharding import param_shardings
-
         shardings = param_shardings(abstract, mesh)
     cache = ItemCache()
 

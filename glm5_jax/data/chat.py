@@ -30,6 +30,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from glm5_jax.data.pretrain import DataError
 from glm5_jax.data.tokenizer import GLM_SPECIAL_TOKENS, Tokenizer
 
 ROLES = ("system", "user", "assistant", "observation")
@@ -389,8 +390,6 @@ class RenderedDataset:
     def require_examples(self, source: str) -> "RenderedDataset":
         """Refuse an SFT set every record of which was dropped, saying why each was."""
         if not self.examples:
-            from glm5_jax.data.pretrain import DataError
-
             raise DataError(f"{source}: the SFT dataset is empty: {self.num_dropped} record(s) read, none usable; "
                             f"{self.drop_report()}")
         return self

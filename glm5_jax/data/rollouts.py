@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from glm5_jax.train.rl import RLConfig, sample_advantages
+from glm5_jax.config.rl import RLConfig
+from glm5_jax.data.advantages import sample_advantages
 
 
 class RolloutError(ValueError):

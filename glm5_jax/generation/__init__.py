@@ -1,6 +1,6 @@
 """Generation for rollouts: batched prefill + decode over a latent KV cache with DSA top-k, temperature /
 top-p sampling with recorded logprobs and routing, MTP speculative decoding, and rollout records built
-straight from token ids. Files: cache.py (what is cached), cached_model.py (the model over new tokens),
+straight from token ids. Files: cache.py (the cache, and the model run over new tokens against it),
 sampling.py, decode.py (plain generation), speculative.py (MTP drafting), records.py (token-in-token-out).
 """
 

@@ -1,11 +1,9 @@
-"""The decoding cache: only what MLA + DSA need to attend to earlier tokens.
-
-Per layer and token it holds the 576-wide absorbed-form row [c ; k_rope] (`attention.project`'s "cache"),
-and per "full" indexer layer the indexer key k_I [J] (IndexShare "shared" layers run no indexer and store
-nothing). Slot t of a row holds the token at absolute position t: prompts are right-padded, every row keeps
-its own length, and a row's slots past its length are either garbage from padding or stale drafted tokens;
-no query ever sees them (key t is visible to a query at position p iff t <= p), and the next write to that
-position replaces them. Rolling back rejected speculative tokens is therefore just not advancing the length.
+"""The decoding cache (allocated here; its layout and the reads and writes are the decoder layer's,
+`glm5_jax.model.kv_cache`) and the model run over new tokens against it: prefill (the prompt), decode (one
+token per row) and speculative verification (k + 1 tokens per row) are the model's own forward with a cache,
+so cached decoding computes what the forward computes on the whole sequence; only where keys come from
+changes. Each layer writes its new rows first, the indexer ranks every cached key up to each query's
+position (DSA top-k over the cache), and attention reads the selected cached rows in the absorbed form.
 """
 
 from __future__ import annotations
@@ -16,11 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
-
-
-class KVCache(NamedTuple):
-    latent: jax.Array      # [L, B, T, C+R] absorbed-form rows of every layer
-    index_keys: jax.Array  # [Lf, B, T, J] lightning-indexer keys of every "full" indexer layer
+from glm5_jax.model.kv_cache import KVCache, LayerCache
+from glm5_jax.model.transformer import forward, layer_context, merge
 
 
 def init_cache(num_layers: int, num_index_layers: int, batch: int, max_len: int, config: ModelConfig,
@@ -42,12 +37,34 @@ def mtp_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
     return init_cache(1, 1, batch, max_len, config, dtype)
 
 
-def write_rows(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache[layer, b, positions[b, s]] = rows[b, s] for a [L, B, T, X] cache; positions past T are dropped."""
-    batch_index = jnp.arange(rows.shape[0])[:, None]
-    return cache.at[layer, batch_index, positions].set(rows.astype(cache.dtype), mode="drop")
+def num_selected(config: ModelConfig, max_len: int) -> int:
+    """Top-k slots per query: min(index_topk, cache length)."""
+    return min(config.index_topk, max_len)
 
 
-def visible_slots(positions: jax.Array, max_len: int) -> jax.Array:
-    """Boolean [B, S, T]: cache slot t is visible to the query at positions[b, s] iff t <= that position."""
-    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+class CachedOutput(NamedTuple):
+    hidden: jax.Array                 # [B, S, D] final normed hidden state (what the LM head reads)
+    cache: KVCache
+    topk: jax.Array | None            # [L, B, S, N] indexer selections (collect_routing)
+    expert_ids: jax.Array | None      # [L_moe, B, S, A] expert choices (collect_routing)
+
+
+def run_cached(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, token_mask: jax.Array,
+               config: ModelConfig, collect_routing: bool = False) -> CachedOutput:
+    """The main model over new tokens [B, S] at absolute `positions` [B, S]; `token_mask` marks real tokens
+    (padding and finished rows only feed the MoE counts)."""
+    out = forward(params, tokens, config=config, positions=positions, segment_ids=token_mask.astype(jnp.int32),
+                  cache=cache, return_logits=False, mtp_steps=0, collect_routing=collect_routing)
+    routing = (out.aux["topk"], out.aux.get("expert_ids")) if collect_routing else (None, None)
+    return CachedOutput(out.hidden, out.cache, *routing)
+
+
+def run_mtp_cached(params, cache: KVCache, tokens: jax.Array, h_prev: jax.Array, positions: jax.Array,
+                   token_mask: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The MTP module once over new entries (`MTP.step` with its one-layer cache). Returns (raw layer output
+    [B, S, D] to feed the next depth, its shared_head_norm [B, S, D] that the LM head reads, cache)."""
+    model = merge(params, config)
+    ctx = layer_context(positions, token_mask.astype(jnp.int32), config)
+    h, normed, out = model.mtp.step(model.embed["embedding"], tokens, h_prev, ctx, config,
+                                    cache=LayerCache(cache, 0, 0, positions))
+    return h, normed, out.cache.kv

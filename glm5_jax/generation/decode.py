@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.generation.cache import KVCache, model_cache
-from glm5_jax.generation.cached_model import CachedOutput, cached_forward, new_tokens, num_selected
+from glm5_jax.generation.cache import CachedOutput, KVCache, model_cache, num_selected, run_cached
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (SamplingParams, SamplingValues, is_eos, recorded_logprobs, sample_tokens,
                                           split_sampling)
@@ -131,8 +130,7 @@ def prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: ja
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     real = positions < prompt_lengths[:, None]
     cache = model_cache(config, b, max_len, dtype_of(config.compute_dtype))
-    result = cached_forward(params, cache, prompts, new_tokens(positions, real, config), config,
-                            collect_routing)
+    result = run_cached(params, cache, prompts, positions, real, config, collect_routing)
     last = jnp.take_along_axis(result.hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = lm_head_logits(params, last)
     key, sample_key = jax.random.split(key)
@@ -151,9 +149,8 @@ def decode_step(params: dict, state: DecodeState, values: SamplingValues, *, con
     """Feed every unfinished row's newest token at its position, sample the next one."""
     active = ~state.out.done
     positions = state.length[:, None]
-    result = cached_forward(params, state.cache, state.next_token[:, None],
-                            new_tokens(positions, active[:, None], config), config,
-                            state.routing is not None)
+    result = run_cached(params, state.cache, state.next_token[:, None], positions, active[:, None], config,
+                        state.routing is not None)
     logits = lm_head_logits(params, result.hidden)
     key, sample_key = jax.random.split(state.key)
     token = sample_tokens(sample_key, logits[:, 0], values, nucleus)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.train.token_logprobs import token_logprobs
+from glm5_jax.model.token_logprobs import token_logprobs
 
 
 class GenerationError(ValueError):

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.generation.cache import KVCache, mtp_cache
-from glm5_jax.generation.cached_model import cached_forward, cached_mtp, new_tokens
+from glm5_jax.generation.cache import KVCache, mtp_cache, run_cached, run_mtp_cached
 from glm5_jax.generation.decode import DecodeState, GenerationOutput, emit, host_output, prefill, record_routing
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (GenerationError, SamplingParams, SamplingValues, recorded_logprobs,
@@ -92,7 +91,7 @@ def _extend_mtp(params: dict, cache: KVCache, tokens: jax.Array, hidden: jax.Arr
     """Write the depth-1 entries (tokens[:, i], hidden[:, i]) at positions[:, i] for i < count; return the
     cache and the MTP output (raw hidden [B, D], logits [B, V]) of each row's last new entry."""
     real = (jnp.arange(tokens.shape[1])[None, :] < count[:, None]) & active[:, None]
-    raw, normed, cache = cached_mtp(params, cache, tokens, hidden, new_tokens(positions, real, config), config)
+    raw, normed, cache = run_mtp_cached(params, cache, tokens, hidden, positions, real, config)
     last = (count - 1)[:, None, None]
     raw_last = jnp.take_along_axis(raw, last, axis=1)[:, 0]
     logits = lm_head_logits(params, jnp.take_along_axis(normed, last, axis=1))[:, 0]
@@ -133,16 +132,15 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
         drafts.append(token)
         draft_logits.append(logits)
         if depth + 1 < num_draft:
-            new = new_tokens((n + depth)[:, None], active[:, None], config)
-            raw, normed, cache = cached_mtp(params, cache, token[:, None], hidden[:, None], new, config)
+            raw, normed, cache = run_mtp_cached(params, cache, token[:, None], hidden[:, None], (n + depth)[:, None],
+                                                active[:, None], config)
             hidden, logits = raw[:, 0], lm_head_logits(params, normed)[:, 0]
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
 
     fed = jnp.concatenate([decode.next_token[:, None], drafts], axis=1)  # [B, K + 1]
     positions = n[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
-    verify = cached_forward(params, decode.cache, fed,
-                            new_tokens(positions, jnp.broadcast_to(active[:, None], fed.shape), config),
-                            config, decode.routing is not None)
+    verify = run_cached(params, decode.cache, fed, positions, jnp.broadcast_to(active[:, None], fed.shape), config,
+                        decode.routing is not None)
     target_logits = lm_head_logits(params, verify.hidden)
     accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits,
                                          values, nucleus)

@@ -15,10 +15,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import MASK_VALUE, apply_rope_interleaved, normal_init, rms_norm
+from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved, rms_norm
+from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import selected_mask, visible_keys
+from pallas_kernels import NEG_INF, sparse_mla_attention
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
 LATENT_NORM_EPS = 1e-6
@@ -32,20 +35,22 @@ AUTO_DENSE_MAX_KEYS_PER_SELECTED = 4
 AUTO_DENSE_MAX_SCORE_BYTES = 1 << 30
 
 
-def init_attention(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-    std = config.initializer_range
-    d, q, c, r, h = (config.hidden_size, config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim,
-                     config.num_attention_heads)
-    return {
-        "q_a_proj": {"kernel": normal_init(k1, (d, q), std, dtype)},
-        "q_a_norm": {"scale": jnp.ones((q,), dtype)},
-        "q_b_proj": {"kernel": normal_init(k2, (q, h, config.qk_head_dim), std, dtype)},
-        "kv_a_proj": {"kernel": normal_init(k3, (d, c + r), std, dtype)},
-        "kv_a_norm": {"scale": jnp.ones((c,), dtype)},
-        "kv_b_proj": {"kernel": normal_init(k4, (c, h, config.qk_nope_head_dim + config.v_head_dim), std, dtype)},
-        "o_proj": {"kernel": normal_init(k5, (h, config.v_head_dim, d), std, dtype)},
-    }
+class MLA(ParamModule):
+    """Multi-head latent attention's weights; `project` and `attend` below are its computation."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        d, q, c, r, h = (config.hidden_size, config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim,
+                         config.num_attention_heads)
+        self.q_a_proj = Linear((d, q), ("embed", "q_lora"), rngs, std, dtype)
+        self.q_a_norm = Scale(q, dtype)
+        self.q_b_proj = Linear((q, h, config.qk_head_dim), ("q_lora", "heads", "head_dim"), rngs, std, dtype)
+        self.kv_a_proj = Linear((d, c + r), ("embed", "kv_lora"), rngs, std, dtype)
+        self.kv_a_norm = Scale(c, dtype)
+        # The last dim is [W_UK (nope) ; W_UV (values)]: Muon Split orthogonalises the two parts separately.
+        self.kv_b_proj = Linear((c, h, config.qk_nope_head_dim + config.v_head_dim), ("kv_lora", "heads", "head_dim"),
+                                rngs, std, dtype)
+        self.o_proj = Linear((h, config.v_head_dim, d), ("heads", "head_dim", "embed"), rngs, std, dtype)
 
 
 def project(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig) -> dict:
@@ -93,7 +98,7 @@ def expanded_attention(params: dict, proj: dict, allowed: jax.Array, config: Mod
     keys = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))],
                            axis=-1)
     logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
-    logits = jnp.where(allowed[:, None], logits * config.softmax_scale, MASK_VALUE)
+    logits = jnp.where(allowed[:, None], logits * config.softmax_scale, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1)
     # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
     probs = jnp.where(allowed[:, None].any(-1, keepdims=True), probs, 0.0).astype(dtype)
@@ -115,7 +120,7 @@ def _gather_rows(cache: jax.Array, indices: jax.Array) -> jax.Array:
 
 def _latent_probs(q, rows, valid, scale):
     logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
-    logits = jnp.where(valid[:, :, None, :], logits, MASK_VALUE)
+    logits = jnp.where(valid[:, :, None, :], logits, NEG_INF)
     lse = jax.nn.logsumexp(logits, axis=-1)
     return jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0), lse
 
@@ -206,8 +211,6 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
             latent_out, _ = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
                                                     config.kv_lora_rank)
         else:
-            from pallas_kernels import sparse_mla_attention
-
             latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
                                                  kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
         heads = latent_to_heads(params, latent_out, config)

@@ -1,4 +1,5 @@
-"""One pre-norm decoder layer: h = x + MLA_DSA(norm(x)); y = h + FFN(norm(h)), FFN dense SwiGLU or MoE."""
+"""One pre-norm decoder layer: h = x + MLA_DSA(norm(x)); y = h + FFN(norm(h)), FFN dense SwiGLU or MoE. It serves
+training (the whole sequence), prefill and decode (new tokens against a cache) alike."""
 
 from __future__ import annotations
 
@@ -6,21 +7,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.batch_local import batch_local
 from glm5_jax.model import attention, indexer
 from glm5_jax.model.indexer_kl import attend_with_indexer_kl
-from glm5_jax.model.layers import normal_init, rms_norm, swiglu
-from glm5_jax.model.moe import init_moe, moe_block
-from glm5_jax.parallel.batch_local import batch_local
-
-
-# What a rematerialised layer keeps from its forward pass (config `remat_policy`; "none" keeps everything).
-REMAT_POLICIES = {
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
+from glm5_jax.model.kv_cache import KVCache, LayerCache, visible_slots, write_rows
+from glm5_jax.model.layers import Scale, SwiGLU, rms_norm, swiglu
+from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.variables import ParamModule
+from pallas_kernels import NEG_INF, indexer_topk, sparse_mla_attention
 
 
 class LayerContext(NamedTuple):
@@ -32,29 +30,25 @@ class LayerContext(NamedTuple):
     token_mask: jax.Array    # [B, S] bool, real tokens
 
 
-def init_dense_mlp(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3 = jax.random.split(key, 3)
-    d, f, std = config.hidden_size, config.intermediate_size, config.initializer_range
-    return {
-        "gate_proj": {"kernel": normal_init(k1, (d, f), std, dtype)},
-        "up_proj": {"kernel": normal_init(k2, (d, f), std, dtype)},
-        "down_proj": {"kernel": normal_init(k3, (f, d), std, dtype)},
-    }
+class DecoderLayer(ParamModule):
+    """One decoder layer's weights: norms, MLA, and a dense SwiGLU (`moe=False`) or the MoE; the MTP layer
+    also owns its indexer (`with_indexer=True`), the main stacks share a separate stack of indexers."""
 
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype, *, moe: bool, with_indexer: bool = False):
+        d, std = config.hidden_size, config.initializer_range
+        self.input_norm = Scale(d, dtype)
+        self.post_attn_norm = Scale(d, dtype)
+        self.attn = attention.MLA(config, rngs, dtype)
+        if moe:
+            self.moe = MoE(config, rngs, dtype)
+        else:
+            self.mlp = SwiGLU(d, config.intermediate_size, rngs, std, dtype)
+        if with_indexer:
+            self.indexer = indexer.Indexer(config, rngs, dtype)
 
-def init_layer(config: ModelConfig, key: jax.Array, dtype, moe: bool) -> dict:
-    k_attn, k_ffn = jax.random.split(key)
-    d = config.hidden_size
-    layer = {
-        "input_norm": {"scale": jnp.ones((d,), dtype)},
-        "post_attn_norm": {"scale": jnp.ones((d,), dtype)},
-        "attn": attention.init_attention(config, k_attn, dtype),
-    }
-    if moe:
-        layer["moe"] = init_moe(config, k_ffn, dtype)
-    else:
-        layer["mlp"] = init_dense_mlp(config, k_ffn, dtype)
-    return layer
+    def __call__(self, indexer_params, x: jax.Array, ctx: LayerContext, prev_topk: jax.Array | None,
+                 config: ModelConfig, **options) -> LayerOutput:
+        return decoder_layer(self, indexer_params, x, ctx, prev_topk, config, **options)
 
 
 def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: LayerContext,
@@ -64,8 +58,6 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
     q, weights = indexer.indexer_queries(indexer_params, q_resid, h, ctx.cos, ctx.sin, config)
     k = indexer.indexer_keys(indexer_params, h, ctx.cos, ctx.sin, config)
     if config.attention_backend == "pallas":
-        from pallas_kernels import indexer_topk
-
         def select(q, k, weights, segment_ids):
             return indexer_topk(q, k, weights, topk=config.index_topk, q_segment_ids=segment_ids,
                                 k_segment_ids=segment_ids, **config.pallas_options)[0]
@@ -76,32 +68,106 @@ def compute_topk(indexer_params: dict, h: jax.Array, q_resid: jax.Array, ctx: La
     return batch_local(select, mesh, (q, k, weights, ctx.segment_ids))
 
 
-def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: LayerContext,
-                  prev_topk: jax.Array | None, config: ModelConfig, *, run_indexer: jax.Array | bool = True,
+def _topk_over_cache(q: jax.Array, weights: jax.Array, positions: jax.Array, keys: jax.Array,
+                     topk: int) -> jax.Array:
+    """Top-k cached keys [B, S, N] for indexer queries at `positions` [B, S] (keys [B, T, J])."""
+    b, s = positions.shape
+    max_len = keys.shape[1]
+    # Causality comes from the per-row positions; the indexer's own mask (one offset for all rows) is off.
+    one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
+    scores = indexer.index_scores(q, keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
+    scores = jnp.where(visible_slots(positions, max_len), scores, NEG_INF)
+    return indexer.topk_from_scores(scores, topk)
+
+
+def cached_topk(indexer_params, h: jax.Array, q_resid: jax.Array, ctx: LayerContext, cache: LayerCache,
+                config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Write this layer's indexer keys into the cache, score the new queries against every cached key up to
+    their position, keep the top-k. Returns (top-k [B, S, N], the new index-key cache). With
+    `index_query_chunk` a long prefill holds one [B, chunk, T] score block at a time."""
+    q, weights = indexer.indexer_queries(indexer_params, q_resid, h, ctx.cos, ctx.sin, config)
+    keys = indexer.indexer_keys(indexer_params, h, ctx.cos, ctx.sin, config)
+    index_keys = write_rows(cache.kv.index_keys, cache.index_slot, keys, cache.positions)
+    cached_keys = index_keys[cache.index_slot]
+    s, chunk = q.shape[1], config.index_query_chunk
+    if chunk <= 0 or chunk >= s or s % chunk:
+        return _topk_over_cache(q, weights, cache.positions, cached_keys, config.index_topk), index_keys
+    split = lambda a: rearrange(a, "B (n c) ... -> n B c ...", c=chunk)  # noqa: E731
+    blocks = jax.lax.map(lambda args: _topk_over_cache(*args, cached_keys, config.index_topk),
+                         (split(q), split(weights), split(cache.positions)))
+    return rearrange(blocks, "n B c N -> B (n c) N"), index_keys
+
+
+def _attend_cached(layer, proj: dict, topk: jax.Array, cache: LayerCache, config: ModelConfig) -> tuple:
+    """Write the new latent rows, then attend (absorbed form) over the selected cached rows; the dense
+    training reference decodes in the absorbed form too (the two forms are equal)."""
+    latent = write_rows(cache.kv.latent, cache.layer, proj["cache"], cache.positions)
+    q = attention.absorbed_queries(layer["attn"], proj, config)
+    rows = latent[cache.layer]
+    if config.attention_backend == "pallas":
+        latent_out, _ = sparse_mla_attention(q, rows, topk, scale=config.softmax_scale,
+                                             kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
+    else:
+        latent_out, _ = attention.sparse_latent_attention(q, rows, topk, config.softmax_scale, config.kv_lora_rank)
+    heads = attention.latent_to_heads(layer["attn"], latent_out, config)
+    return attention.output_projection(layer["attn"], heads), latent
+
+
+class LayerOutput(NamedTuple):
+    hidden: jax.Array            # [B, S, D]
+    topk: jax.Array              # [B, S, N] the key selection used
+    aux: dict                    # expert counts / balance terms / expert ids (MoE), indexer KL terms
+    cache: LayerCache | None     # with the new tokens' rows written (when run against a cache)
+
+
+def decoder_layer(layer, indexer_params, x: jax.Array, ctx: LayerContext, prev_topk: jax.Array | None,
+                  config: ModelConfig, *, run_indexer: jax.Array | bool = True,
                   expert_choices: jax.Array | None = None, topk_override: jax.Array | None = None,
-                  indexer_mode: str | None = None, mesh=None) -> tuple[jax.Array, jax.Array, dict]:
-    """Returns (new hidden [B, S, D], the top-k used [B, S, N], aux).
+                  indexer_mode: str | None = None, mesh=None, cache: LayerCache | None = None) -> LayerOutput:
+    """One pre-norm decoder layer: h = x + MLA_DSA(norm(x)); y = h + FFN(norm(h)). The same layer serves
+    training (the whole sequence), prefill and decode (new tokens against `cache`).
 
     `run_indexer` False (a traced bool is fine) reuses `prev_topk` (IndexShare "shared" layers);
     `topk_override` replays recorded indexer selections. `indexer_mode` ("dense_warmup" | "sparse") also
-    returns the indexer KL terms (see `glm5_jax.model.indexer_kl`)."""
+    returns the indexer KL terms (see `glm5_jax.model.indexer_kl`). With `cache`, the new tokens' latent
+    rows (and indexer keys) are written first, the indexer ranks every cached key up to each query's
+    position and attention reads the selected cached rows."""
     eps = config.rms_norm_eps
     h = rms_norm(x, layer["input_norm"]["scale"], eps)
     proj = attention.project(layer["attn"], h, ctx.cos, ctx.sin, config)
-    if topk_override is not None:
-        topk = topk_override.astype(jnp.int32)
-    elif run_indexer is True:
-        topk = compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh)
+    kl_aux = {}
+    if cache is not None:
+        if topk_override is not None or indexer_mode is not None:
+            raise ValueError("decoder_layer: a cache serves generation only; topk_override and indexer_mode "
+                             "(routing replay, DSA training) need the whole sequence (cache=None)")
+
+        def own_topk(index_keys):
+            return cached_topk(indexer_params, h, proj["q_resid"], ctx,
+                               cache._replace(kv=cache.kv._replace(index_keys=index_keys)), config)
+
+        if run_indexer is True:
+            topk, index_keys = own_topk(cache.kv.index_keys)
+        else:
+            topk, index_keys = jax.lax.cond(run_indexer, own_topk, lambda keys: (prev_topk, keys),
+                                            cache.kv.index_keys)
+        attn_out, latent = _attend_cached(layer, proj, topk, cache, config)
+        cache = cache._replace(kv=KVCache(latent, index_keys))
     else:
-        topk = jax.lax.cond(run_indexer, lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh),
-                            lambda: prev_topk)
-    if indexer_mode is None:
-        x = x + attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)
-        kl_aux = {}
-    else:
-        attn_out, kl_aux = attend_with_indexer_kl(layer["attn"], indexer_params, h, proj, topk, ctx.segment_ids,
-                                                  ctx.token_mask, ctx.cos, ctx.sin, config, indexer_mode)
-        x = x + attn_out
+        if topk_override is not None:
+            topk = topk_override.astype(jnp.int32)
+        elif run_indexer is True:
+            topk = compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh)
+        else:
+            topk = jax.lax.cond(run_indexer,
+                                lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh),
+                                lambda: prev_topk)
+        if indexer_mode is None:
+            attn_out = attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)
+        else:
+            attn_out, kl_aux = attend_with_indexer_kl(layer["attn"], indexer_params, h, proj, topk,
+                                                      ctx.segment_ids, ctx.token_mask, ctx.cos, ctx.sin, config,
+                                                      indexer_mode)
+    x = x + attn_out
     h = rms_norm(x, layer["post_attn_norm"]["scale"], eps)
     if "moe" in layer:
         ffn, aux = moe_block(layer["moe"], h, ctx.token_mask, config, expert_choices, mesh)
@@ -109,4 +175,4 @@ def decoder_layer(layer: dict, indexer_params: dict | None, x: jax.Array, ctx: L
         mlp = layer["mlp"]
         ffn = swiglu(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
         aux = {}
-    return x + ffn, topk, {**aux, **kl_aux}
+    return LayerOutput(x + ffn, topk, {**aux, **kl_aux}, cache)

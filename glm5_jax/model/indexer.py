@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import MASK_VALUE, apply_rope_half_split, apply_rope_interleaved, layer_norm, normal_init
+from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved, layer_norm
+from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import visible_keys
+from pallas_kernels import NEG_INF
 
 INDEXER_NORM_EPS = 1e-6
 
 
-def init_indexer(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3 = jax.random.split(key, 3)
-    std = config.initializer_range
-    q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
-    return {
-        "wq_b": {"kernel": normal_init(k1, (q, i, j), std, dtype)},
-        "wk": {"kernel": normal_init(k2, (d, j), std, dtype)},
-        "k_norm": {"scale": jnp.ones((j,), dtype), "bias": jnp.zeros((j,), dtype)},
-        "weights_proj": {"kernel": normal_init(k3, (d, i), std, dtype)},
-    }
+class Indexer(ParamModule):
+    """The lightning indexer's weights (one per "full" layer; "shared" layers reuse the previous top-k)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
+        self.wq_b = Linear((q, i, j), ("q_lora", "index_heads", "index_head_dim"), rngs, std, dtype)
+        self.wk = Linear((d, j), ("embed", "index_head_dim"), rngs, std, dtype)
+        self.k_norm = Scale(j, dtype, bias=True)
+        self.weights_proj = Linear((d, i), ("embed", "index_heads"), rngs, std, dtype)
 
 
 def _rope_prefix(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, interleaved: bool) -> jax.Array:
@@ -55,18 +59,18 @@ def indexer_keys(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, con
 
 def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                  k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
-    """Masked fp32 index scores [B, S, T] (invisible keys get MASK_VALUE)."""
+    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF)."""
     head_dim = q.shape[-1]
     logits = jnp.einsum("BSIJ,BTJ->BSIT", q.astype(jnp.float32), k.astype(jnp.float32)) * head_dim**-0.5
     scores = jnp.einsum("BSI,BSIT->BST", weights, jax.nn.relu(logits))
-    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, MASK_VALUE)
+    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, NEG_INF)
 
 
 def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
     """int32 [B, S, min(topk, T)] key indices; slots that landed on invisible keys are -1."""
     n = min(topk, scores.shape[-1])
     values, indices = jax.lax.top_k(scores, n)
-    return jnp.where(values > MASK_VALUE / 2, indices, -1).astype(jnp.int32)
+    return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32)
 
 
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
@@ -84,8 +88,8 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
         return topk_from_scores(index_scores(q_c, k, w_c, seg_c, k_segment_ids, q_offset + start), topk)
 
     def split(a):
-        return jnp.moveaxis(a.reshape(a.shape[0], n_chunks, query_chunk, *a.shape[2:]), 1, 0)
+        return rearrange(a, "B (n c) ... -> n B c ...", n=n_chunks)
 
     starts = jnp.arange(n_chunks) * query_chunk
     out = jax.lax.map(chunk, (split(q), split(weights), split(q_segment_ids), starts))
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], s, -1)
+    return rearrange(out, "n B c N -> B (n c) N")

@@ -16,15 +16,15 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import attention, indexer
-from glm5_jax.model.layers import MASK_VALUE
 from glm5_jax.model.masks import selected_mask, visible_keys
+from pallas_kernels import NEG_INF, dense_attention_target, indexer_scores, sparse_attention_target, sparse_mla_attention
 
 INDEXER_MODES = ("dense_warmup", "sparse")
 
 
 def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
     """sum over keys of p * (log p - log_softmax(index_logits)), with invalid keys excluded. -> [B, S]"""
-    log_q = jax.nn.log_softmax(jnp.where(valid, index_logits, MASK_VALUE), axis=-1)
+    log_q = jax.nn.log_softmax(jnp.where(valid, index_logits, NEG_INF), axis=-1)
     terms = jnp.where(valid & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
     return terms.sum(-1)
 
@@ -34,8 +34,6 @@ def _dense_attention_and_target(attn, proj, visible, segment_ids, config):
     if config.attention_backend != "pallas":
         heads, probs = attention.expanded_attention(attn, proj, visible, config, return_probs=True)
         return heads, probs.astype(jnp.float32).mean(1)
-    from pallas_kernels import dense_attention_target, sparse_mla_attention
-
     q = attention.absorbed_queries(attn, proj, config)
     every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
     latent, _ = sparse_mla_attention(q, proj["cache"], every_visible, scale=config.softmax_scale,
@@ -53,8 +51,6 @@ def _sparse_attention_and_target(attn, proj, topk, config):
         latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
                                                              config.kv_lora_rank, return_probs=True)
         return attention.latent_to_heads(attn, latent, config), probs.astype(jnp.float32).mean(2)
-    from pallas_kernels import sparse_attention_target, sparse_mla_attention
-
     latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
                                        kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]), topk,
@@ -74,8 +70,6 @@ def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj:
         heads, p = _dense_attention_and_target(attn, proj, visible, segment_ids, config)
         p = jax.lax.stop_gradient(p)  # rows sum to 1 over the visible keys
         if config.attention_backend == "pallas":
-            from pallas_kernels import indexer_scores
-
             scores = indexer_scores(q_i, k_i, w_i, q_segment_ids=segment_ids, k_segment_ids=segment_ids,
                                     **config.pallas_options)
         else:

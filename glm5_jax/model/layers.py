@@ -1,4 +1,5 @@
-"""Basic layers: norms, rotary embeddings, SwiGLU, parameter initialisers.
+"""Basic layers: norms, rotary embeddings, SwiGLU, embedding and projections (functions, and the NNX modules
+that hold their weights).
 
 Dimension letters are fixed in `glm5_jax.model.__init__`.
 """
@@ -7,10 +8,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-# A large finite negative number for masked logits: fully masked rows stay finite (no NaN from -inf - -inf).
-MASK_VALUE = -1e30
-
+from glm5_jax.model.variables import ParamModule, normal, param
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, then times scale."""
@@ -70,5 +70,43 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
     return hidden @ down.astype(dtype)
 
 
-def normal_init(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+class Scale(ParamModule):
+    """The weight of RMSNorm ("scale"); with `bias=True` also LayerNorm's bias (the indexer's key norm)."""
+
+    def __init__(self, dim: int, dtype, *, bias: bool = False):
+        self.scale = param(jnp.ones((dim,), dtype), ("norm",))
+        if bias:
+            self.bias = param(jnp.zeros((dim,), dtype), ("norm",))
+
+    def rms_norm(self, x: jax.Array, eps: float) -> jax.Array:
+        return rms_norm(x, self.scale[...], eps)
+
+    def layer_norm(self, x: jax.Array, eps: float) -> jax.Array:
+        return layer_norm(x, self.scale[...], self.bias[...], eps)
+
+
+class Linear(ParamModule):
+    """A projection "kernel" of any shape; its first dim is the input (the einsum names the rest)."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], rngs: nnx.Rngs, std: float, dtype):
+        self.kernel = param(normal(rngs, shape, std, dtype), axes)
+
+
+class Embed(ParamModule):
+    def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, std: float, dtype):
+        self.embedding = param(normal(rngs, (vocab, dim), std, dtype), ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+        return self.embedding[...][tokens].astype(dtype)
+
+
+class SwiGLU(ParamModule):
+    """The dense MLP and the shared expert: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, std: float, dtype):
+        self.gate_proj = Linear((dim, hidden), ("embed", "mlp"), rngs, std, dtype)
+        self.up_proj = Linear((dim, hidden), ("embed", "mlp"), rngs, std, dtype)
+        self.down_proj = Linear((hidden, dim), ("mlp", "embed"), rngs, std, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu(x, self.gate_proj["kernel"], self.up_proj["kernel"], self.down_proj["kernel"])

@@ -5,41 +5,50 @@ Backends (config `moe_backend`):
 - `reference`: every expert on every token, weighted by the dense routing matrix (tests only);
 - `ragged`: dropless; assignments sorted by expert and run as grouped matmuls with `jax.lax.ragged_dot`
   (on CPU, where XLA has no grouped kernel, the blocked layout of `glm5_jax.model.blocked_experts`);
-- `ep`: expert parallelism with `shard_map` (see `glm5_jax.parallel`).
+- `ep`: expert parallelism with `shard_map` (`glm5_jax.model.expert_parallel`).
+The routed experts' computations on one device live in `glm5_jax.model.experts`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.blocked_experts import experts_blocked
-from glm5_jax.model.layers import normal_init, swiglu
-from glm5_jax.parallel.batch_local import batch_local, mesh_platform
+from glm5_jax.distributed.batch_local import batch_local, mesh_platform
+from glm5_jax.model.expert_parallel import experts_ep
+from glm5_jax.model.experts import experts_ragged, experts_reference
+from glm5_jax.model.layers import Linear, SwiGLU, swiglu
+from glm5_jax.model.variables import ParamModule, normal, param, router_bias
 
 
-def init_moe(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
-    std = config.initializer_range
-    d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
-    fs = f * config.n_shared_experts
-    k5a, k5b, k5c = jax.random.split(k5, 3)
-    return {
-        # The router stays fp32 whatever the parameter dtype: its scores decide discrete choices.
-        "router": {"kernel": normal_init(k1, (d, e), std, jnp.float32)},
-        "e_score_correction_bias": jnp.zeros((e,), jnp.float32),
-        "experts": {
-            "gate_proj": normal_init(k2, (e, d, f), std, dtype),
-            "up_proj": normal_init(k3, (e, d, f), std, dtype),
-            "down_proj": normal_init(k4, (e, f, d), std, dtype),
-        },
-        "shared_experts": {
-            "gate_proj": {"kernel": normal_init(k5a, (d, fs), std, dtype)},
-            "up_proj": {"kernel": normal_init(k5b, (d, fs), std, dtype)},
-            "down_proj": {"kernel": normal_init(k5c, (fs, d), std, dtype)},
-        },
-    }
+class RoutedExperts(ParamModule):
+    """The E routed experts' SwiGLU weights, stacked on a leading expert dim."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+        self.gate_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
+        self.up_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
+        self.down_proj = param(normal(rngs, (e, f, d), std, dtype), ("experts", "expert_mlp", "embed"))
+
+
+class MoE(ParamModule):
+    """Router (fp32 whatever the parameter dtype: its scores decide discrete choices), its correction bias,
+    the routed experts and the ungated shared expert."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        std = config.initializer_range
+        d, e = config.hidden_size, config.n_routed_experts
+        self.router = Linear((d, e), ("embed", "router_experts"), rngs, std, jnp.float32)
+        self.e_score_correction_bias = router_bias(jnp.zeros((e,), jnp.float32), ("router_experts",))
+        self.experts = RoutedExperts(config, rngs, dtype)
+        self.shared_experts = SwiGLU(d, config.moe_intermediate_size * config.n_shared_experts, rngs, std, dtype)
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
+                 expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, dict]:
+        return moe_block(self, x, token_mask, config, expert_choices, mesh)
 
 
 def router_scores(params: dict, x: jax.Array) -> jax.Array:
@@ -82,44 +91,6 @@ def route(params: dict, x: jax.Array, config: ModelConfig,
     return expert_ids, weights * config.routed_scaling_factor, scores
 
 
-def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
-    """Every expert on every token; combine with the dense [T, E] routing weights."""
-    n_experts = experts["gate_proj"].shape[0]
-    dtype = x.dtype
-    dense_weights = jnp.zeros((x.shape[0], n_experts), jnp.float32).at[
-        jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
-    gate = jnp.einsum("TD,EDF->TEF", x, experts["gate_proj"].astype(dtype))
-    up = jnp.einsum("TD,EDF->TEF", x, experts["up_proj"].astype(dtype))
-    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype))
-    return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
-
-
-def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """SwiGLU of rows already sorted by expert; `group_sizes` [E] rows per expert (grouped matmuls)."""
-    dtype = x_sorted.dtype
-    gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
-
-
-def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                   platform: str | None = None) -> jax.Array:
-    """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
-    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`.
-    `platform` is the one compiled for (default: the default backend)."""
-    if (platform or jax.default_backend()) == "cpu":
-        return experts_blocked(experts, x, expert_ids, weights)
-    n_tokens, top_k = expert_ids.shape
-    n_experts = experts["gate_proj"].shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes)
-    out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
-    return jnp.zeros_like(x).at[token_of].add(out_sorted)
-
-
 def expert_counts(expert_ids: jax.Array, token_mask: jax.Array, n_experts: int) -> jax.Array:
     """Tokens routed to each expert [E] (int32), counting real (unmasked) tokens only."""
     hits = jax.nn.one_hot(expert_ids, n_experts, dtype=jnp.int32).sum(1)  # [T, E]
@@ -149,21 +120,21 @@ def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelCo
     flat = x.reshape(b * s, d)
     replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
     expert_ids, weights, scores = route(params, flat, config, replay, mesh)
+    # Plain arrays: the dispatch backends pass them through shard_map and tree maps.
+    experts = {name: params["experts"][name] for name in ("gate_proj", "up_proj", "down_proj")}
     backend = config.moe_backend
     if backend == "reference":
-        routed = experts_reference(params["experts"], flat, expert_ids, weights)
+        routed = experts_reference(experts, flat, expert_ids, weights)
         aux_extra = {}
     elif backend == "ragged":
         # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
         # does per layer), their gradients summed over the shards by shard_map's transpose.
         platform = mesh_platform(mesh)
         routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
-                             (flat, expert_ids, weights), (params["experts"],))
+                             (flat, expert_ids, weights), (experts,))
         aux_extra = {}
     else:
-        from glm5_jax.parallel.expert_parallel import experts_ep
-
-        routed, aux_extra = experts_ep(params["experts"], flat, expert_ids, weights, config, mesh)
+        routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)
     shared = params["shared_experts"]
     out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
                           shared["down_proj"]["kernel"])

@@ -7,11 +7,10 @@ import math
 import jax
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.model.transformer import init
 
 
 def param_shapes(config: ModelConfig) -> dict:
-    from glm5_jax.model.transformer import init
-
     return jax.eval_shape(lambda: init(config, jax.random.key(0)))
 
 

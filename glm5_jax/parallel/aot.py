@@ -11,24 +11,20 @@ the larger being the bound, and the MFU that step time would give.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from glm5_jax.config import ConfigError
-from glm5_jax.experiment import ExperimentConfig, load_experiment
+from glm5_jax.config.experiment import ExperimentConfig
 from glm5_jax.model.flops import training_flops_per_token
 from glm5_jax.parallel.hlo_stats import hlo_stats
-from glm5_jax.parallel.mesh import make_mesh
+from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.parallel.plan import PlanSettings, plan
-from glm5_jax.parallel.rules import logical_to_spec
+from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.parallel.sharding import abstract_params, opt_state_shardings, param_shardings
-from glm5_jax.parallel.topology import GIB, Topology, TopologyError, get_topology
+from glm5_jax.parallel.topology import GIB, Topology
 from glm5_jax.train.optim import make_optimizer
 from glm5_jax.train.step import LM_BATCH_KEYS, TrainState, make_train_step
 
@@ -160,28 +156,3 @@ def format_report(report: dict, config_path: str) -> str:
     lines.append(f"roofline: compute {roof['compute_s'] * 1e3:.2f} ms, collectives {roof['collective_s'] * 1e3:.2f} ms "
                  f"-> {roof['bound']}-bound step {roof['step_s'] * 1e3:.2f} ms, MFU {roof['mfu']:.1%}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm5 compile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="experiment YAML (the one `glm5 train` would run)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=64 train.batch_size=128")
-    parser.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...) or GEN:GRID")
-    parser.add_argument("--json", action="store_true", help="also print the report as one JSON line")
-    parser.add_argument("--hlo-out", metavar="FILE", help="write the compiled per-chip HLO text to FILE")
-    args = parser.parse_intermixed_args(argv)
-    try:
-        topology = get_topology(args.topology)
-        cfg = load_experiment(args.config, args.overrides)
-        report = compile_report(cfg, topology, hlo_path=args.hlo_out)
-    except (ConfigError, CompileError, TopologyError, ValueError) as err:
-        print(f"glm5 compile: {err}", file=sys.stderr)
-        return 2
-    print(format_report(report, args.config))
-    if args.json:
-        print(json.dumps(report))
-    return 0 if report["fits"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,21 +26,24 @@ backward and remat recompute), tensor-parallel all-reduces of each layer's atten
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from glm5_jax.config import REMAT_POLICIES, ConfigError, ModelConfig, load_model_config
-from glm5_jax.parallel.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
+from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
+from glm5_jax.config.optim import OptimConfig
+from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
                                                dispatch_without_exchange)
-from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig
-from glm5_jax.parallel.rules import logical_to_spec, param_specs
-from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
+from glm5_jax.model.decoder import LayerContext, decoder_layer
+from glm5_jax.model.layers import rope_angles
+from glm5_jax.model.transformer import forward
+from glm5_jax.train.optim import make_optimizer
 from glm5_jax.tree_paths import path_names
 
 GIB = 1024**3
@@ -76,7 +79,7 @@ class PlanSettings:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise PlanError(f"{name}={value!r} is invalid: must be a positive integer")
         if self.remat is not None and self.remat not in REMAT_POLICIES:
-            raise PlanError(f"remat={self.remat!r} is invalid: must be one of {REMAT_POLICIES}")
+            raise PlanError(f"remat={self.remat!r} is invalid: must be one of {tuple(REMAT_POLICIES)}")
         if self.optimizer not in OPTIMIZER_NAMES:
             raise PlanError(f"optimizer={self.optimizer!r} is invalid: must be one of {OPTIMIZER_NAMES}")
         if isinstance(self.device_memory_gib, bool) or not isinstance(self.device_memory_gib, (int, float)) \
@@ -113,8 +116,6 @@ def _is_spec(x) -> bool:
 
 
 def optimizer_state_bytes(params, optimizer: str, sizes: dict[str, int]) -> int:
-    from glm5_jax.train.optim import OptimConfig, make_optimizer
-
     tx = make_optimizer(OptimConfig(name=optimizer), params)
     state = jax.eval_shape(tx.init, params)
     total = 0
@@ -174,8 +175,6 @@ def _mean_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def planning_loss(params, tokens: jax.Array, config: ModelConfig) -> jax.Array:
     """Next-token cross-entropy of the main head plus that of every MTP depth (what training backpropagates)."""
-    from glm5_jax.model.transformer import forward
-
     out = forward(params, tokens, config=config)
     loss = _mean_cross_entropy(out.logits, tokens)
     if out.mtp_logits is not None:
@@ -185,9 +184,6 @@ def planning_loss(params, tokens: jax.Array, config: ModelConfig) -> jax.Array:
 
 def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, seq: int) -> int:
     """Saved activations of one decoder layer of `kind` ("dense_layers" | "moe_layers") without remat."""
-    from glm5_jax.model.decoder import LayerContext, decoder_layer
-    from glm5_jax.model.layers import rope_angles
-
     unstack = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
     layer, indexer = unstack(params[kind]), unstack(params["indexers"])
     positions = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -204,8 +200,6 @@ def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, se
 
 def _dispatch_residual_bytes(config: ModelConfig, tokens: int, layout, policy: str) -> int:
     """Saved activations of the expert dispatch of one MoE layer for one device with `layout`."""
-    from glm5_jax.model.decoder import REMAT_POLICIES as POLICY_FUNCTIONS
-
     d, f, local = config.hidden_size, config.moe_intermediate_size, layout.local_experts
     dtype = jnp.dtype(config.param_dtype)
     experts = {"gate_proj": jax.ShapeDtypeStruct((local, d, f), dtype),
@@ -216,7 +210,7 @@ def _dispatch_residual_bytes(config: ModelConfig, tokens: int, layout, policy: s
     weights = jax.ShapeDtypeStruct((tokens, layout.top_k), jnp.float32)
     fn = lambda e, x, i, w: dispatch_without_exchange(e, x, i, w, layout)[0]
     if policy != "none":
-        fn = jax.checkpoint(fn, policy=POLICY_FUNCTIONS[policy])
+        fn = jax.checkpoint(fn, policy=REMAT_POLICIES[policy])
     return _residual_bytes(fn, (experts, x, ids, weights), exclude=1)
 
 
@@ -424,54 +418,3 @@ def format_report(report: dict[str, Any], config_path: str) -> str:
         lines.append(f"verdict: does not fit in {limit:g} GiB (needs {mem['total'] / GIB:.1f} GiB)")
     return "\n".join(lines)
 
-
-_SETTING_TYPES = {"batch": int, "seq": int, "remat": str, "optimizer": str, "device_memory_gib": float}
-
-
-USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] [batch=N seq=N "
-         "remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] [model.key=value ...]")
-
-
-def parse_args(argv: list[str]) -> tuple[str, MeshConfig, PlanSettings, list[str]]:
-    """CONFIG then key=value items: mesh.<axis>, plan settings, anything else a model override."""
-    if not argv or "=" in argv[0]:
-        raise PlanError(f"CONFIG is missing: {USAGE}")
-    config_path, items = argv[0], argv[1:]
-    mesh_values: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
-    overrides = []
-    for item in items:
-        if "=" not in item:
-            raise PlanError(f"argument {item!r} is invalid: expected key=value, e.g. mesh.fsdp=8 or batch=16")
-        key, value = item.split("=", 1)
-        try:
-            if key.startswith("mesh."):
-                mesh_values[key[len("mesh."):]] = int(value)
-            elif key in _SETTING_TYPES:
-                settings[key] = _SETTING_TYPES[key](value)
-            else:
-                overrides.append(item)
-        except ValueError:
-            raise PlanError(f"{key}={value!r} is invalid: must be a {_SETTING_TYPES.get(key, int).__name__}") from None
-    return config_path, MeshConfig.from_mapping(mesh_values), PlanSettings(**settings).validate(), overrides
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE + "\n\n" + __doc__)
-        return 0
-    try:
-        config_path, mesh, settings, overrides = parse_args(argv)
-        config = load_model_config(config_path, overrides)
-        report = plan(config, mesh, settings)
-    except (PlanError, ConfigError, ValueError) as err:
-        print(f"glm5 plan: {err}", file=sys.stderr)
-        return 2
-    print(format_report(report, config_path))
-    print(json.dumps(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

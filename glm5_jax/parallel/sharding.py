@@ -11,8 +11,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.parallel.rules import (PARAM_SECTIONS, ShardingRuleError, logical_to_spec, param_logical_axes,
-                                     param_specs)
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.model.metadata import all_param_infos, is_param_info, param_infos
+from glm5_jax.model.transformer import init
 from glm5_jax.tree_paths import path_names
 
 # Muon Split keeps kv_b_proj's state as two halves (W_UK, W_UV) sharded like the whole kernel.
@@ -21,8 +22,15 @@ _SPLIT_PART_NAMES = ("uk", "uv")
 
 def _check_mesh(mesh) -> None:
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (see glm5_jax.parallel.mesh.make_mesh), "
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (see glm5_jax.distributed.mesh.make_mesh), "
                          f"got {type(mesh).__name__}")
+
+
+def param_specs(params, mesh: Mesh | Mapping[str, int]):
+    """PartitionSpec of every parameter leaf (arrays or `jax.ShapeDtypeStruct`s), from the logical axes the
+    model created it with."""
+    return jax.tree.map(lambda info, leaf: logical_to_spec(info.axes, leaf.shape, mesh), param_infos(params),
+                        params, is_leaf=is_param_info)
 
 
 def param_shardings(params, mesh: Mesh):
@@ -39,15 +47,11 @@ def shard_params(params, mesh: Mesh):
 
 def abstract_params(config: ModelConfig):
     """Shapes and dtypes of `init(config, rng)` without allocating anything."""
-    from glm5_jax.model.transformer import init
-
     return jax.eval_shape(lambda key: init(config, key), jax.random.key(0))
 
 
 def init_sharded(config: ModelConfig, rng: jax.Array, mesh: Mesh):
     """`glm5_jax.model.transformer.init(config, rng)` with every leaf created directly in its shard."""
-    from glm5_jax.model.transformer import init
-
     _check_mesh(mesh)
     config.validate()
     shardings = param_shardings(abstract_params(config), mesh)
@@ -59,14 +63,11 @@ def state_leaf_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh |
     anything else (step counts, Newton-Schulz coefficients) is replicated."""
     if names and names[-1] in _SPLIT_PART_NAMES:
         names = names[:-1]
-    for start, name in enumerate(names):
-        if name not in PARAM_SECTIONS:
-            continue
-        try:
-            axes = param_logical_axes(names[start:], len(shape))
-        except ShardingRuleError:
-            continue
-        return logical_to_spec(axes, shape, mesh)
+    infos = all_param_infos()
+    for start in range(len(names)):
+        info = infos.get(tuple(names[start:]))
+        if info is not None and len(info.axes) == len(shape):
+            return logical_to_spec(info.axes, shape, mesh)
     return PartitionSpec()
 
 

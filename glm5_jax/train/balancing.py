@@ -3,7 +3,11 @@ outside the optimizer: b_i += u * sign(mean(c) - c_i), with c the global token c
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from glm5_jax.model.metadata import param_info
+from glm5_jax.tree_paths import path_names
 
 
 def bias_update(bias, counts, rate: float):
@@ -12,22 +16,16 @@ def bias_update(bias, counts, rate: float):
 
 
 def update_correction_biases(params: dict, counts: dict, rate: float) -> dict:
-    """counts: {"main": [L_moe, E] or None, "mtp": [E] (optional)}; returns params with new biases."""
+    """counts: {"main": [L_moe, E] or None, "mtp": [E] (optional)}; returns params with every router
+    correction bias (the `RouterBias` weights: the MoE stack's [L_moe, E], the MTP layer's [E]) moved."""
     if rate == 0:
         return params
-    params = dict(params)
-    if counts.get("main") is not None and "moe_layers" in params:
-        layers = dict(params["moe_layers"])
-        moe = dict(layers["moe"])
-        moe["e_score_correction_bias"] = bias_update(moe["e_score_correction_bias"], counts["main"], rate)
-        layers["moe"] = moe
-        params["moe_layers"] = layers
-    if counts.get("mtp") is not None and "mtp" in params:
-        mtp = dict(params["mtp"])
-        layer = dict(mtp["layer"])
-        moe = dict(layer["moe"])
-        moe["e_score_correction_bias"] = bias_update(moe["e_score_correction_bias"], counts["mtp"], rate)
-        layer["moe"] = moe
-        mtp["layer"] = layer
-        params["mtp"] = mtp
-    return params
+
+    def update(path, leaf):
+        names = path_names(path)
+        if not param_info(names, leaf.ndim).router_bias:
+            return leaf
+        section_counts = counts.get("mtp" if names[0] == "mtp" else "main")
+        return leaf if section_counts is None else bias_update(leaf, section_counts, rate)
+
+    return jax.tree_util.tree_map_with_path(update, params)

@@ -7,14 +7,12 @@ token t+1 is a training target (assistant tokens in SFT, every real token in pre
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 
 from glm5_jax.model.mtp import shift_within_segment
-from glm5_jax.train.token_logprobs import token_logprobs
+from glm5_jax.model.token_logprobs import token_logprobs
 
 LossTerms = tuple[jax.Array, jax.Array]
 
@@ -60,17 +58,3 @@ def balance_loss(aux: dict) -> LossTerms:
 def indexer_kl(aux: dict) -> LossTerms:
     """Mean over real tokens and layers of KL(attention target || indexer distribution)."""
     return aux["indexer_kl_sum"].sum(), aux["indexer_kl_count"].sum()
-
-
-LOSSES: dict[str, Callable[..., LossTerms]] = {
-    "cross_entropy": cross_entropy,
-    "mtp_cross_entropy": mtp_cross_entropy,
-    "balance": balance_loss,
-    "indexer_kl": indexer_kl,
-}
-
-
-def get_loss(name: str) -> Callable[..., LossTerms]:
-    if name not in LOSSES:
-        raise ValueError(f"loss={name!r} is invalid: registered losses are {sorted(LOSSES)}")
-    return LOSSES[name]

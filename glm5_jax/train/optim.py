@@ -1,11 +1,14 @@
 """Optimizers for GLM-5: AdamW, and Muon (+ Muon Split) for matrices with AdamW for the rest.
 
-Parameter groups come from the leaf paths of the parameter tree (see `param_path_labels`):
-  "muon"            every matrix (leaves named "kernel" and the expert weights), when `name == "muon"`;
-  "adamw"           embedding, lm_head and the MoE router kernel (and every matrix when `name == "adamw"`);
+Parameter groups come from what the model's modules say about each weight (`glm5_jax.model.metadata`:
+its logical dim names, its variable type, whether an indexer owns it; see `param_path_labels`):
+  "muon"            every matrix, when `name == "muon"`;
+  "adamw"           the embedding and LM head (a "vocab" dim) and the MoE router (and every matrix when
+                    `name == "adamw"`);
   "adamw_no_decay"  norm scales/biases and any other leaf with fewer than two matrix axes;
-  "frozen"          `e_score_correction_bias` (updated by the train step, never by the optimizer) and every
-                    leaf outside `trainable`: zero update, no optimizer state, excluded from clipping.
+  "frozen"          the router correction bias (a `RouterBias`: updated by the train step, never by the
+                    optimizer) and every leaf outside `trainable`: zero update, no optimizer state, excluded
+                    from clipping.
 The router kernel [D, E] stays in AdamW as the parameter tree fixes: its columns are the expert centroids
 whose scale sets the sigmoid scores the correction bias balances, and orthogonalising them would equalise
 every expert's update regardless of its load.
@@ -23,115 +26,27 @@ layer's Newton-Schulz intermediates at once. Matrix layouts per leaf:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from glm5_jax.config import ConfigError
+from glm5_jax.config.core import _fail
+from glm5_jax.config.optim import OptimConfig
+from glm5_jax.model.metadata import ParamInfo, param_info
 from glm5_jax.tree_paths import path_names, path_string
 from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
-from glm5_jax.train.schedules import SCHEDULES, warmup_then_decay
+from glm5_jax.train.schedules import warmup_then_decay
 
-OPTIMIZERS = ("adamw", "muon")
-TRAINABLE_PRESETS = ("all", "indexer", "non_indexer")
 GROUPS = ("muon", "adamw", "adamw_no_decay", "frozen")
 
-_STACKED_SECTIONS = ("dense_layers", "moe_layers", "indexers")  # one leading layer axis
-_INDEXER_KEYS = ("indexers", "indexer")  # the stacked indexers and the MTP layer's own indexer
-_NORM_LEAVES = ("scale", "bias")
-_ADAMW_MATRICES = ("embedding", "lm_head", "router")
-_FROZEN_LEAVES = ("e_score_correction_bias",)
+# Matrices AdamW keeps whatever the optimizer: the embedding and LM head (a "vocab" dim) and the router.
+_ADAMW_AXES = ("vocab", "router_experts")
 _KV_PARTS = ("uk", "uv")
-
-
-def _fail(field: str, value: Any, valid: str) -> None:
-    raise ConfigError(f"{field}={value!r} is invalid: {valid}")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer, schedule and trainable-parameter settings. Defaults follow GLM-5 pre-training."""
-
-    name: str = "muon"
-    lr: float = 2e-4
-    min_lr: float = 4e-5  # the schedule's end value (ignored by "constant")
-    warmup_steps: int = 100
-    total_steps: int = 10_000
-    schedule: str = "cosine"
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip_norm: float = 1.0  # 0 disables clipping
-    muon_momentum: float = 0.95
-    ns_steps: int = 5
-    muon_rms: float = 0.2
-    muon_split: bool = True
-    # "all" | "indexer" | "non_indexer" | path regexes (re.search on "a/b/c" leaf paths).
-    # Annotated tuple-first so YAML lists and single strings both load through glm5_jax.config.
-    trainable: tuple[str, ...] | str = "all"
-
-    def __post_init__(self):
-        trainable = self.trainable
-        if isinstance(trainable, list):
-            trainable = tuple(trainable)
-        if isinstance(trainable, tuple) and len(trainable) == 1 and trainable[0] in TRAINABLE_PRESETS:
-            trainable = trainable[0]
-        object.__setattr__(self, "trainable", trainable)
-        self.validate()
-
-    def validate(self) -> "OptimConfig":
-        if self.name not in OPTIMIZERS:
-            _fail("optim.name", self.name, f"must be one of {OPTIMIZERS}")
-        if self.schedule not in SCHEDULES:
-            _fail("optim.schedule", self.schedule, f"must be one of {SCHEDULES}")
-        if not self.lr > 0:
-            _fail("optim.lr", self.lr, "must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            _fail("optim.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        for field in ("warmup_steps", "total_steps", "ns_steps"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail(f"optim.{field}", value, "must be a non-negative integer")
-        if self.total_steps < 1:
-            _fail("optim.total_steps", self.total_steps, "must be >= 1")
-        if self.ns_steps < 1:
-            _fail("optim.ns_steps", self.ns_steps, "must be >= 1")
-        if self.warmup_steps > self.total_steps:
-            _fail("optim.warmup_steps", self.warmup_steps, f"must be <= total_steps ({self.total_steps})")
-        for field in ("b1", "b2", "muon_momentum"):
-            value = getattr(self, field)
-            if not 0 <= value < 1:
-                _fail(f"optim.{field}", value, "must be in [0, 1)")
-        if not self.eps > 0:
-            _fail("optim.eps", self.eps, "must be > 0")
-        if not self.muon_rms > 0:
-            _fail("optim.muon_rms", self.muon_rms, "must be > 0 (Moonlight / GLM use 0.2)")
-        for field in ("weight_decay", "grad_clip_norm"):
-            if not getattr(self, field) >= 0:
-                _fail(f"optim.{field}", getattr(self, field), "must be >= 0")
-        if not isinstance(self.muon_split, bool):
-            _fail("optim.muon_split", self.muon_split, "must be true or false")
-        if isinstance(self.trainable, str):
-            if self.trainable not in TRAINABLE_PRESETS:
-                _fail("optim.trainable", self.trainable,
-                      f"must be one of {TRAINABLE_PRESETS} or a list of path regexes")
-        elif isinstance(self.trainable, tuple) and self.trainable:
-            for pattern in self.trainable:
-                try:
-                    re.compile(pattern)
-                except (re.error, TypeError) as err:
-                    _fail("optim.trainable", pattern, f"is not a valid regular expression ({err})")
-        else:
-            _fail("optim.trainable", self.trainable,
-                  f"must be one of {TRAINABLE_PRESETS} or a non-empty list of path regexes")
-        return self
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -144,27 +59,23 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 # Parameter paths and groups
 # ---------------------------------------------------------------------------------------------
 
-def _num_batch_axes(names: tuple[str, ...]) -> int:
-    return int(names[0] in _STACKED_SECTIONS) + int("experts" in names)
-
-
-def _is_trainable(path: str, names: tuple[str, ...], trainable) -> bool:
-    in_indexer = any(key in names for key in _INDEXER_KEYS)
+def _is_trainable(path: str, info: ParamInfo, trainable) -> bool:
     if trainable == "all":
         return True
     if trainable == "indexer":
-        return in_indexer
+        return info.in_indexer
     if trainable == "non_indexer":
-        return not in_indexer
+        return not info.in_indexer
     return any(re.search(pattern, path) for pattern in trainable)
 
 
 def _leaf_label(names: tuple[str, ...], ndim: int, cfg: OptimConfig) -> str:
-    if names[-1] in _FROZEN_LEAVES or not _is_trainable("/".join(names), names, cfg.trainable):
+    info = param_info(names, ndim)
+    if info.router_bias or not _is_trainable("/".join(names), info, cfg.trainable):
         return "frozen"
-    if names[-1] in _NORM_LEAVES or ndim - _num_batch_axes(names) < 2:
+    if ndim - info.stacked_axes < 2:  # norm scales and biases
         return "adamw_no_decay"
-    if cfg.name == "adamw" or any(name in _ADAMW_MATRICES for name in names):
+    if cfg.name == "adamw" or any(name in _ADAMW_AXES for name in info.axes):
         return "adamw"
     return "muon"
 
@@ -183,11 +94,11 @@ def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool) -> M
     """Which axes of a Muon leaf form each matrix's input and output; all other axes are batch axes."""
     if names[-1] in _KV_PARTS:  # one half of a split kv_b_proj: [.., C, H, nope or P] per head
         return MuonDimensionNumbers(reduction_axis=ndim - 3, output_axis=ndim - 1)
-    module = names[-2] if names[-1] == "kernel" else names[-1]
-    core = tuple(range(_num_batch_axes(names), ndim))
-    if module == "o_proj":
+    info = param_info(names, ndim)
+    core = tuple(range(info.stacked_axes, ndim))
+    if info.axes[core[0]] == "heads":  # o_proj [.., H, P, D]: the heads' outputs are one input
         return MuonDimensionNumbers(reduction_axis=core[:-1], output_axis=core[-1:])
-    if split and module in ("q_b_proj", "kv_b_proj"):
+    if split and "heads" in info.axes:  # q_b_proj / kv_b_proj [.., in, H, out]: one matrix per head
         return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])
 
@@ -267,8 +178,12 @@ def _dimension_numbers_fn(split: bool) -> Callable:
 
 
 def _layer_stacked(tree):
-    """True for every leaf whose axis 0 is a layer axis (the scanned stacks), which Muon maps over."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: path_names(path)[0] in _STACKED_SECTIONS, tree)
+    """True for every leaf whose axis 0 is a stacked layer axis (the scanned stacks), which Muon maps over."""
+    def stacked(path, x):
+        names = path_names(path)
+        names = names[:-1] if names[-1] in _KV_PARTS else names  # a half of a split kv_b_proj kernel
+        return param_info(names, x.ndim).axes[0] == "layers"
+    return jax.tree_util.tree_map_with_path(stacked, tree)
 
 
 def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation:

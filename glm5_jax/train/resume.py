@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from glm5_jax.config import ConfigError
+from glm5_jax.config.experiment import SECTIONS
 
 # How long to train, how often to log / evaluate / save, and where: changing these continues the same run.
 RESUME_MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.run_dir",
@@ -51,8 +52,6 @@ def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> 
 
 def default_experiment_dict() -> dict:
     """Every section's default values (to compare checkpoints saved before a field existed)."""
-    from glm5_jax.experiment import SECTIONS
-
     return {name: dataclasses.asdict(cls()) for name, cls in SECTIONS.items()}
 
 

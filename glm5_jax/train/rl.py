@@ -18,13 +18,10 @@ whose gradient a band removed: dividing by the kept tokens would up-weight the s
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from glm5_jax.config import ConfigError
+from glm5_jax.config.rl import RL_LOSS_NAMES, TOKEN_ADVANTAGE_NAMES, RLConfig
 
 LOSS_MASK = "loss_mask"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
@@ -34,114 +31,24 @@ TEACHER_LOGPROBS = "teacher_logprobs"
 
 
 # ---------------------------------------------------------------------------------------------
-# Advantage estimators.
-# Sample estimators run on the host when a batch is built (a group must be seen whole, and a micro-batch
-# may hold only part of it); token estimators need the current policy and run inside the loss.
+# Token advantage estimators: they need the current policy and run inside the loss (the sample estimators
+# run on the host when a batch is built: `glm5_jax.data.advantages`).
 # ---------------------------------------------------------------------------------------------
-
-def _group_stats(rewards, group_ids):
-    rewards = np.asarray(rewards, np.float64)
-    _, group_index = np.unique(np.asarray(group_ids), return_inverse=True)
-    counts = np.bincount(group_index)
-    means = np.bincount(group_index, weights=rewards) / counts
-    centred = rewards - means[group_index]
-    stds = np.sqrt(np.bincount(group_index, weights=centred**2) / counts)
-    return centred, stds[group_index]
-
-
-def group_mean_advantages(rewards, group_ids, config: "RLConfig") -> np.ndarray:
-    """reward - mean of its group's rewards (GLM-5 agentic RL)."""
-    centred, _ = _group_stats(rewards, group_ids)
-    return centred.astype(np.float32)
-
-
-def group_mean_std_advantages(rewards, group_ids, config: "RLConfig") -> np.ndarray:
-    """(reward - group mean) / (group std + advantage_eps) (GRPO); population std, so a group of one gives 0."""
-    centred, stds = _group_stats(rewards, group_ids)
-    return (centred / (stds + config.advantage_eps)).astype(np.float32)
-
 
 def on_policy_distillation_advantages(logp, batch):
     """Per token sg(logp_teacher - logp_theta): the reverse-KL reward of on-policy distillation."""
     return jax.lax.stop_gradient(batch[TEACHER_LOGPROBS] - logp)
 
 
-SAMPLE_ADVANTAGE_ESTIMATORS = {
-    "group_mean": group_mean_advantages,
-    "group_mean_std": group_mean_std_advantages,
-}
 TOKEN_ADVANTAGE_ESTIMATORS = {
     "on_policy_distillation": on_policy_distillation_advantages,
 }
-ADVANTAGE_ESTIMATORS = (*SAMPLE_ADVANTAGE_ESTIMATORS, *TOKEN_ADVANTAGE_ESTIMATORS)
 
 
-def sample_advantages(rewards, group_ids, config: "RLConfig") -> np.ndarray:
-    """One advantage per sample for the configured estimator; zeros for a token-level estimator."""
-    estimator = SAMPLE_ADVANTAGE_ESTIMATORS.get(config.advantage)
-    if estimator is None:
-        return np.zeros(len(rewards), np.float32)
-    return estimator(rewards, group_ids, config)
-
-
-def token_advantages(logp, batch, config: "RLConfig"):
+def token_advantages(logp, batch, config: RLConfig):
     """[B, S] advantages: the batch's stored ones, or the configured token estimator's."""
     estimator = TOKEN_ADVANTAGE_ESTIMATORS.get(config.advantage)
     return batch[ADVANTAGES] if estimator is None else estimator(logp, batch)
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration.
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """RL objective. eps_low / eps_high have no default: double_sided_is and icepop_grpo refuse to run
-    without them (GLM-5 gives no values for agentic RL; 0.2 / 0.28 for reasoning RL)."""
-
-    loss: str = "double_sided_is"
-    eps_low: float | None = None
-    eps_high: float | None = None
-    # icepop_grpo keeps tokens with pi_old / pi_rollout in [1/beta, beta].
-    beta: float = 2.0
-    # tis truncates pi_theta / pi_rollout at this value.
-    tis_cap: float = 2.0
-    advantage: str = "group_mean"
-    advantage_eps: float = 1e-6
-    # The log-ratio is clamped before exp so a missing or wild logprob cannot overflow.
-    log_ratio_clip: float = 20.0
-    # Samples generated with weights more than this many versions behind the trainer are dropped (None: keep).
-    max_staleness: int | None = None
-
-    def validate(self) -> "RLConfig":
-        def fail(field, valid):
-            raise ConfigError(f"RLConfig.{field}={getattr(self, field)!r} is invalid: {valid}")
-
-        if self.loss not in RL_LOSSES:
-            fail("loss", f"must be one of {sorted(RL_LOSSES)}")
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            fail("advantage", f"must be one of {list(ADVANTAGE_ESTIMATORS)}")
-        if self.loss in ("double_sided_is", "icepop_grpo"):
-            for field in ("eps_low", "eps_high"):
-                if getattr(self, field) is None:
-                    fail(field, f"loss {self.loss!r} needs it set explicitly (no default), e.g. 0.2")
-        if self.eps_low is not None and not 0 < self.eps_low < 1:
-            fail("eps_low", "must be in (0, 1)")
-        if self.eps_high is not None and not self.eps_high > 0:
-            fail("eps_high", "must be > 0")
-        if not self.beta > 1:
-            fail("beta", "must be > 1 (the kept band is [1/beta, beta])")
-        if not self.tis_cap > 0:
-            fail("tis_cap", "must be > 0")
-        if not self.advantage_eps > 0:
-            fail("advantage_eps", "must be > 0")
-        if not self.log_ratio_clip > 0:
-            fail("log_ratio_clip", "must be > 0")
-        if self.max_staleness is not None and (isinstance(self.max_staleness, bool)
-                                               or not isinstance(self.max_staleness, int)
-                                               or self.max_staleness < 0):
-            fail("max_staleness", "must be None or a non-negative integer")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,3 +210,7 @@ def get_rl_loss(name: str):
     if name not in RL_LOSSES:
         raise ValueError(f"RL loss {name!r} is unknown; registered losses are {sorted(RL_LOSSES)}")
     return RL_LOSSES[name]
+
+if tuple(RL_LOSSES) != RL_LOSS_NAMES or tuple(TOKEN_ADVANTAGE_ESTIMATORS) != TOKEN_ADVANTAGE_NAMES:
+    raise ImportError("glm5_jax.config.rl lists RL losses / token advantage estimators that differ from the "
+                      f"registered ones: {list(RL_LOSSES)} / {list(TOKEN_ADVANTAGE_ESTIMATORS)}")

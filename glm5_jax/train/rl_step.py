@@ -26,70 +26,19 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from glm5_jax.config import ConfigError, ModelConfig, TrainConfig, from_dict
+from glm5_jax.config import ModelConfig, TrainConfig
+from glm5_jax.config.optim import OptimConfig
+from glm5_jax.config.rl import RLConfig, as_rl_step_config
 from glm5_jax.data.rollouts import RolloutRecord, filter_and_pad, make_batch, validate_records
+from glm5_jax.model.token_logprobs import token_logprobs
 from glm5_jax.model.transformer import forward
-from glm5_jax.train.optim import OptimConfig
 from glm5_jax.train.rl import (ADVANTAGES, LOSS_MASK, ROLLOUT_LOGPROBS, TEACHER_LOGPROBS,
-                               TOKEN_ADVANTAGE_ESTIMATORS, RLConfig, get_rl_loss)
-from glm5_jax.train.token_logprobs import token_logprobs
+                               TOKEN_ADVANTAGE_ESTIMATORS, get_rl_loss)
 
 _SEQUENCE_KEYS = ("tokens", "targets", "positions", "segment_ids", LOSS_MASK, ROLLOUT_LOGPROBS)
 # Summed as they are; averaged over microbatches; everything else is a token mean weighted by its share.
 _COUNT_METRICS = ("loss_tokens", "nonfinite_logp", "nonfinite_rollout_logprobs")
 _PER_MICROBATCH_METRICS = ("ratio_min", "ratio_max", "advantage_std")
-
-
-@dataclasses.dataclass(frozen=True)
-class RLStepConfig:
-    """The `rl:` section of an experiment: the loss (`RLConfig` fields, given flat) and how the trainer runs.
-
-    replay_routing: feed the recorded expert choices and indexer top-k back to the model when the batch
-      carries them (records generated with `collect_routing=True`); without them the trainer routes afresh.
-    train_indexer: GLM-5 freezes the DSA indexer in RL; true lets `optim.trainable` decide.
-    """
-
-    objective: RLConfig
-    replay_routing: bool = True
-    train_indexer: bool = False
-
-    def validate(self) -> "RLStepConfig":
-        if not isinstance(self.objective, RLConfig):
-            raise ConfigError(f"rl.objective={self.objective!r} is invalid: must be an RLConfig")
-        self.objective.validate()
-        for name in ("replay_routing", "train_indexer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"rl.{name}={getattr(self, name)!r} is invalid: must be true or false")
-        return self
-
-
-_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(RLStepConfig) if f.name != "objective")
-
-
-def rl_step_config_from_dict(data: dict) -> RLStepConfig:
-    """Parse an experiment's `rl:` mapping: RLConfig fields plus `replay_routing` / `train_indexer`."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"rl={data!r} is invalid: must be a mapping of RL fields (loss, eps_low, ...)")
-    step_fields = {k: v for k, v in data.items() if k in _STEP_FIELDS}
-    loss_fields = {k: v for k, v in data.items() if k not in _STEP_FIELDS}
-    try:
-        objective = from_dict(RLConfig, loss_fields, prefix="rl.")
-    except ConfigError as err:
-        raise ConfigError(f"{err} (rl also accepts {list(_STEP_FIELDS)})") from None
-    step = from_dict(RLStepConfig, {"objective": {}, **step_fields}, prefix="rl.")
-    return dataclasses.replace(step, objective=objective).validate()
-
-
-def as_rl_step_config(rl_config) -> RLStepConfig:
-    """An RLStepConfig from an RLStepConfig, a bare RLConfig (replay on, indexer frozen) or an `rl:` mapping."""
-    if isinstance(rl_config, RLStepConfig):
-        return rl_config.validate()
-    if isinstance(rl_config, RLConfig):
-        return RLStepConfig(objective=rl_config).validate()
-    if isinstance(rl_config, dict):
-        return rl_step_config_from_dict(rl_config)
-    raise ConfigError(f"rl_config={rl_config!r} is invalid: mode 'rl' needs an RLStepConfig, an RLConfig or "
-                      "an rl: mapping with loss, eps_low, eps_high, ...")
 
 
 def rl_optim_config(optim_config: OptimConfig, rl_config) -> OptimConfig:

@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("cosine", "linear", "constant")
+from glm5_jax.config.optim import SCHEDULES
 
 
 def warmup_then_decay(

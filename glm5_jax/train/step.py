@@ -22,6 +22,7 @@ from glm5_jax.model.transformer import forward
 from glm5_jax.train import losses
 from glm5_jax.train.balancing import update_correction_biases
 from glm5_jax.train.finite_guard import keep_state_unless_finite
+from glm5_jax.train.rl_step import rl_objective
 
 INDEXER_MODE = {"dsa_warmup": "dense_warmup", "dsa_sparse": "sparse"}
 LM_BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -137,8 +138,6 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
     mode = train_config.mode
     mtp_steps = model_config.mtp_num_steps if model_config.num_nextn_predict_layers else 0
     if mode == "rl":
-        from glm5_jax.train.rl_step import rl_objective
-
         objective_fn = rl_objective(model_config, train_config, rl_config, mesh)
         required = objective_fn.required_keys
     else:

@@ -47,14 +47,14 @@ def write(hf_dir: str) -> None:
 
 
 def measure(hf_dir: str, run_dir: str) -> None:
-    from glm5_jax.convert.commands import import_main
+    from glm5_jax.cli import main
     from glm5_jax.convert.tensor_source import CheckpointDir
 
     source = CheckpointDir(hf_dir)
     sizes = [source.nbytes(name) for name in source.names()]
     jax.devices()  # the backend is part of the baseline
     before = _status_kib("VmRSS")
-    assert import_main([hf_dir, run_dir]) == 0
+    assert main(["import-hf", hf_dir, run_dir]) == 0
     print(json.dumps({"checkpoint_bytes": sum(sizes), "largest_tensor_bytes": max(sizes),
                       "rss_before_bytes": before * 1024, "peak_rss_bytes": _status_kib("VmHWM") * 1024}))
 

@@ -24,7 +24,7 @@ from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
 from glm5_jax.convert.streaming_import import import_hf  # noqa: E402
 from glm5_jax.convert.tensor_source import CheckpointDir  # noqa: E402
 from glm5_jax.model.transformer import jit_forward  # noqa: E402
-from glm5_jax.parallel.mesh import MeshConfig, make_mesh  # noqa: E402
+from glm5_jax.distributed.mesh import MeshConfig, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import param_shardings  # noqa: E402
 
 

@@ -4,7 +4,8 @@
 import pytest
 from cli_subprocess import run_glm5
 
-from glm5_jax.convert.commands import export_main, import_main, parse_size
+from glm5_jax.cli import main
+from glm5_jax.convert.run_dir import parse_size
 
 
 
@@ -27,13 +28,13 @@ def test_import_then_export_from_the_command_line(hf_checkpoint, tmp_path):
 
 def test_command_errors_name_the_bad_argument(hf_checkpoint, tmp_path, capsys):
     path, *_ = hf_checkpoint
-    assert import_main([str(path), str(tmp_path / "run"), "fsdp=2"]) == 2
+    assert main(["import-hf", str(path), str(tmp_path / "run"), "fsdp=2"]) == 2
     assert "argument 'fsdp=2' is invalid: expected mesh.<axis>=<size>" in capsys.readouterr().err
-    assert import_main([str(path), str(tmp_path / "run"), "mesh.fsdp=2"]) == 2
+    assert main(["import-hf", str(path), str(tmp_path / "run"), "mesh.fsdp=2"]) == 2
     assert "mesh data=1 x fsdp=2 x expert=1 x tensor=1 has 2 devices but 1 are available" in capsys.readouterr().err
-    assert import_main([str(tmp_path / "absent"), str(tmp_path / "run")]) == 2
+    assert main(["import-hf", str(tmp_path / "absent"), str(tmp_path / "run")]) == 2
     assert "is not a directory" in capsys.readouterr().err
-    assert export_main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "has neither model.yaml (written by import-hf) nor config.yaml" in capsys.readouterr().err
 
 

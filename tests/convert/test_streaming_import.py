@@ -96,7 +96,7 @@ def assert_same_tensors(dir_a: Path, dir_b: Path) -> None:
 
 def test_orbax_import_is_what_train_init_from_loads(hf_checkpoint, tmp_path):
     from glm5_jax.config import load_model_config
-    from glm5_jax.train.runner import load_params
+    from glm5_jax.runner import load_params
 
     path, *_ = hf_checkpoint
     imported = import_hf(path)

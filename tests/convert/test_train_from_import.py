@@ -12,9 +12,9 @@ import pytest
 from cli_subprocess import run_glm5
 
 from glm5_jax.config import load_model_config
-from glm5_jax.convert.commands import restore_run_params
+from glm5_jax.convert.run_dir import restore_run_params
 from glm5_jax.convert.sharded_export import export_hf
-from glm5_jax.parallel.mesh import MeshConfig, make_mesh
+from glm5_jax.distributed.mesh import MeshConfig, make_mesh
 from glm5_jax.parallel.sharding import abstract_params
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from glm5_jax.data.rollouts import make_batch, validate_record
 from glm5_jax.generation import SamplingParams, generate, to_rollout_records
 from glm5_jax.model.transformer import forward
 from glm5_jax.train.rl import RLConfig
-from glm5_jax.train.token_logprobs import token_logprobs
+from glm5_jax.model.token_logprobs import token_logprobs
 
 # Every feature on: a dense layer then MoE layers, group-limited routing, DSA pruning (index_topk 4 is
 # shorter than every prompt), MTP.

@@ -145,7 +145,7 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
                              rms_norm(h[:, :n], mtp["hnorm"]["scale"], eps)], -1) @ mtp["eh_proj"]["kernel"]
         ctx = LayerContext(cos[:, :n], sin[:, :n], jnp.ones((1, n), jnp.int32), jnp.ones((1, n), bool))
         layer = {key: v for key, v in mtp["layer"].items() if key != "indexer"}
-        h, _, _ = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY)
+        h = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY).hidden
         logits = lm_head_logits(params, rms_norm(h, mtp["shared_head_norm"]["scale"], eps))
         np.testing.assert_allclose(out.mtp_logits[k - 1, :, :n], logits, atol=1e-5)
 
@@ -232,7 +232,7 @@ def test_bad_segment_ids_and_positions_are_rejected(params):
 
 @pytest.mark.parametrize("block", [1, 4, 128])
 def test_grouped_expert_layouts_equal_the_reference(block):
-    from glm5_jax.model import moe
+    from glm5_jax.model import experts as dispatch
 
     rng = np.random.RandomState(0)
     e, d, f, t, a = 6, 8, 5, 11, 2
@@ -249,13 +249,13 @@ def test_grouped_expert_layouts_equal_the_reference(block):
     def grouped_ragged(ex_, x_, i_, w_):
         order = jnp.argsort(i_.reshape(-1), stable=True)
         sizes = jnp.bincount(i_.reshape(-1), length=e).astype(jnp.int32)
-        out = moe.grouped_swiglu(ex_, x_[order // a], sizes) * w_.reshape(-1)[order][:, None]
+        out = dispatch.grouped_swiglu(ex_, x_[order // a], sizes) * w_.reshape(-1)[order][:, None]
         return jnp.zeros_like(x_).at[order // a].add(out)
 
     # Gradients in the expert weights, the tokens and the routing weights (the router learns through them).
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2))
-    reference = grad(lambda ex, xx, ww: loss(moe.experts_reference, ex, xx, ww))(experts, x, w)
-    blocked = grad(lambda ex, xx, ww: loss(lambda *z: moe.experts_blocked(*z, block=block), ex, xx, ww))(
+    reference = grad(lambda ex, xx, ww: loss(dispatch.experts_reference, ex, xx, ww))(experts, x, w)
+    blocked = grad(lambda ex, xx, ww: loss(lambda *z: dispatch.experts_blocked(*z, block=block), ex, xx, ww))(
         experts, x, w)
     grouped = grad(lambda ex, xx, ww: loss(grouped_ragged, ex, xx, ww))(experts, x, w)
     for got in (blocked, grouped):

@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
@@ -30,8 +31,15 @@ sys.path.insert(0, str(REPO))
 
 from glm5_jax.config import ModelConfig, load_model_config  # noqa: E402
 from glm5_jax.model.layers import swiglu  # noqa: E402
-from glm5_jax.model.moe import experts_reference, init_moe, moe_block, route  # noqa: E402
-from glm5_jax.parallel.mesh import BATCH_AXES, MeshConfig, make_mesh  # noqa: E402
+from glm5_jax.model.experts import experts_reference  # noqa: E402
+from glm5_jax.model.moe import MoE, moe_block, route  # noqa: E402
+from glm5_jax.config.mesh import BATCH_AXES, MeshConfig  # noqa: E402
+from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
+
+
+def init_moe(config, key, dtype) -> dict:
+    """The weights of one MoE block (`MoE` module) as a pure dict."""
+    return nnx.to_pure_dict(nnx.state(MoE(config, nnx.Rngs(key), dtype)))
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -239,7 +247,7 @@ def group_ep():
 
 def group_checkpoint():
     from glm5_jax.checkpoint import Checkpointer
-    from glm5_jax.parallel.rules import param_specs
+    from glm5_jax.parallel.sharding import param_specs
     from glm5_jax.parallel.sharding import (abstract_with_shardings, init_opt_state_sharded, init_sharded,
                                             opt_state_shardings, param_shardings)
     from glm5_jax.train.optim import OptimConfig, make_optimizer
@@ -419,7 +427,7 @@ def group_train_step():
 
 def compiled_step(overrides: list[str], devices: int):
     """XLA's per-device FLOPs and memory of the exact step `glm5 train` builds (MTP on, AdamW)."""
-    from glm5_jax.experiment import load_experiment
+    from glm5_jax.config.experiment import load_experiment
     from glm5_jax.parallel.aot import abstract_train_step
     from glm5_jax.parallel.plan import PlanSettings, plan
 

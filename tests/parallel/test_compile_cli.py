@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from glm5_jax.cli import main
-from glm5_jax.experiment import load_experiment
+from glm5_jax.config.experiment import load_experiment
 from glm5_jax.parallel.aot import abstract_train_step
 from glm5_jax.parallel.topology import TopologyError, get_topology
 

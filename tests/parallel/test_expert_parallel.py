@@ -7,11 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.moe import experts_reference, init_moe, moe_block
-from glm5_jax.parallel.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
+from glm5_jax.model.experts import experts_reference
+from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
                                                experts_ep)
+
+
+def init_moe(config, key, dtype) -> dict:
+    """The weights of one MoE block (`MoE` module) as a pure dict."""
+    return nnx.to_pure_dict(nnx.state(MoE(config, nnx.Rngs(key), dtype)))
 
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,

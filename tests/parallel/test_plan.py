@@ -8,10 +8,11 @@ import json
 import pytest
 
 from glm5_jax.cli import main as cli_main
+from glm5_jax.cli import parse_plan_items
 from glm5_jax.config import load_model_config
 from glm5_jax.model.param_count import count_params
-from glm5_jax.parallel.mesh import MeshConfig
-from glm5_jax.parallel.plan import PlanError, PlanSettings, parse_args, plan
+from glm5_jax.distributed.mesh import MeshConfig
+from glm5_jax.parallel.plan import PlanError, PlanSettings, plan
 
 TINY = load_model_config("configs/tiny.yaml", ["moe_backend=ep"])
 
@@ -74,11 +75,11 @@ def test_invalid_settings_name_the_field():
     with pytest.raises(PlanError, match="mesh.tensor=3 is invalid"):
         plan(TINY, MeshConfig(tensor=3), PlanSettings(seq=32))
     with pytest.raises(PlanError, match=r"optimizer='sgd' is invalid"):
-        parse_args(["configs/tiny.yaml", "optimizer=sgd"])
+        parse_plan_items(["optimizer=sgd"])
     with pytest.raises(PlanError, match=r"seq='long' is invalid"):
-        parse_args(["configs/tiny.yaml", "seq=long"])
+        parse_plan_items(["seq=long"])
     with pytest.raises(PlanError, match="expected key=value"):
-        parse_args(["configs/tiny.yaml", "fsdp"])
+        parse_plan_items(["fsdp"])
 
 
 def test_cli_prints_table_and_json(capsys):

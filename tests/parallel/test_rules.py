@@ -9,10 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.config import load_model_config
-from glm5_jax.parallel.mesh import MeshConfig, MeshConfigError, make_mesh
-from glm5_jax.parallel.rules import (ShardingRuleError, constrain, logical_to_spec, param_logical_axes,
-                                     param_specs)
-from glm5_jax.parallel.sharding import abstract_params, state_leaf_spec
+from glm5_jax.distributed.mesh import MeshConfig, MeshConfigError, make_mesh
+from glm5_jax.distributed.logical_axes import ShardingRuleError, constrain, logical_to_spec
+from glm5_jax.model.metadata import ParamMetadataError, param_info
+from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
 from glm5_jax.tree_paths import path_names
 
 SIZES = {"data": 2, "fsdp": 16, "expert": 8, "tensor": 4}
@@ -84,10 +84,21 @@ def test_every_large_glm5_weight_is_fsdp_sharded(glm5_params):
 
 
 def test_unknown_parameter_path_and_rank_mismatch_are_errors():
-    with pytest.raises(ShardingRuleError, match="parameter 'moe_layers/attn/new_proj/kernel' has no entry"):
-        param_logical_axes(("moe_layers", "attn", "new_proj", "kernel"), 3)
-    with pytest.raises(ShardingRuleError, match="has rank 2 but its rule gives 4 dims"):
-        param_logical_axes(("moe_layers", "attn", "q_b_proj", "kernel"), 2)
+    with pytest.raises(ParamMetadataError, match="parameter 'moe_layers/attn/new_proj/kernel' is not a weight"):
+        param_info(("moe_layers", "attn", "new_proj", "kernel"), 3)
+    with pytest.raises(ParamMetadataError, match="has rank 2 but the model creates it with 4 dims"):
+        param_info(("moe_layers", "attn", "q_b_proj", "kernel"), 2)
+
+
+def test_logical_axes_come_from_the_modules():
+    """The stacked layer axis is the one `nnx.vmap` adds; the router bias is the one non-Param weight."""
+    assert param_info(("moe_layers", "attn", "o_proj", "kernel"), 4).axes == ("layers", "heads", "head_dim", "embed")
+    assert param_info(("mtp", "layer", "attn", "o_proj", "kernel"), 3).axes == ("heads", "head_dim", "embed")
+    bias = param_info(("moe_layers", "moe", "e_score_correction_bias"), 2)
+    assert bias.router_bias and bias.axes == ("layers", "router_experts")
+    assert param_info(("indexers", "wk", "kernel"), 3).in_indexer
+    assert param_info(("mtp", "layer", "indexer", "wk", "kernel"), 2).in_indexer
+    assert not param_info(("mtp", "layer", "attn", "q_a_proj", "kernel"), 2).in_indexer
 
 
 def test_optimizer_state_leaves_follow_their_parameter():

@@ -9,9 +9,11 @@ import pytest
 
 from glm5_jax.config import ConfigError, ModelConfig, TrainConfig
 from glm5_jax.model.transformer import init
-from glm5_jax.rollout.async_rl import AsyncRLConfig, RolloutWorker, SortTask, run_async_rl
+from experiments.rl_async.sort_task import SortTask
+from glm5_jax.config.async_rl import AsyncRLConfig
+from glm5_jax.rollout.async_rl import RolloutWorker, run_async_rl
 from glm5_jax.train.optim import OptimConfig
-from glm5_jax.train.rl_step import rl_step_config_from_dict
+from glm5_jax.config.rl import rl_step_config_from_dict
 
 TASK = SortTask(num_digits=3)
 # One dense layer keeps the compile short; the MoE path of the step is covered by tests/train/test_rl_step.py.

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ConfigError
-from glm5_jax.train.rl import (RL_LOSSES, RLConfig, double_sided_is, get_rl_loss, group_mean_advantages,
-                               group_mean_std_advantages, icepop_grpo, sample_advantages, tis)
+from glm5_jax.config.rl import RLConfig
+from glm5_jax.data.advantages import group_mean_advantages, group_mean_std_advantages, sample_advantages
+from glm5_jax.train.rl import RL_LOSSES, double_sided_is, get_rl_loss, icepop_grpo, tis
 
 CLIP = 20.0
 

@@ -17,7 +17,8 @@ from glm5_jax.generation import SamplingParams, generate, to_rollout_records
 from glm5_jax.model.transformer import forward, init
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 from glm5_jax.train.rl import RLConfig
-from glm5_jax.train.rl_step import RLStepConfig, rl_batch, rl_objective, rl_optim_config, rl_step_config_from_dict
+from glm5_jax.config.rl import RLStepConfig, rl_step_config_from_dict
+from glm5_jax.train.rl_step import rl_batch, rl_objective, rl_optim_config
 from glm5_jax.train.step import init_train_state, make_train_step
 
 # Dense layer + MoE layers with group-limited routing, DSA pruning (index_topk 4 < every sequence), MTP stored.
@@ -208,7 +209,7 @@ def test_a_short_rl_run_on_a_bandit_task_raises_the_mean_reward(params, adamw_st
 def test_rl_recipes_set_the_band_explicitly_and_freeze_the_indexer(name, loss):
     from pathlib import Path
 
-    from glm5_jax.experiment import load_experiment
+    from glm5_jax.config.experiment import load_experiment
 
     path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
     experiment = load_experiment(path)

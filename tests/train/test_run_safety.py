@@ -199,7 +199,7 @@ def _all_finite(run_dir: Path, like_params, like_opt_state) -> list[int]:
 
 
 def _like(run_dir):
-    from glm5_jax.experiment import load_experiment
+    from glm5_jax.config.experiment import load_experiment
     from glm5_jax.model.transformer import init
     from glm5_jax.train.optim import make_optimizer
 

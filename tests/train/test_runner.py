@@ -9,9 +9,9 @@ import pytest
 
 from glm5_jax.checkpoint import Checkpointer, NonFiniteStateError
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.experiment import experiment_from_dict
+from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.model.transformer import init
-from glm5_jax.train.runner import TrainingError, run
+from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.tensorboard import read_scalars
 
 MODEL = dict(vocab_size=288, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,

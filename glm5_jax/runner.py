@@ -1,4 +1,4 @@
-"""`glm5 train CONFIG [key=value ...]`: run an experiment into its run directory.
+"""What `glm5 train CONFIG [key=value ...]` runs: an experiment into its run directory.
 
 The run directory gets the resolved config (config.yaml), metrics as JSON lines (metrics.jsonl) and TensorBoard
 event files (tb/), and orbax checkpoints (checkpoints/). A run resumes from its latest checkpoint by default
@@ -9,12 +9,10 @@ or skip). One live run owns the directory (run.lock). README "When a run stops" 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -26,19 +24,30 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.config import ConfigError
+from glm5_jax.config.experiment import ExperimentConfig
+from glm5_jax.config.rl import rl_step_config_from_dict
+from glm5_jax.data.chat import read_chat_jsonl, render_dataset
+from glm5_jax.data.corpus import stdlib_corpus
+from glm5_jax.data.pretrain import pretrain_dataset, read_jsonl
+from glm5_jax.data.rollouts import (RolloutError, filter_and_pad, read_rollouts, require_kept, rollout_dataset,
+                                    validate_records)
+from glm5_jax.data.sft import sft_dataset
+from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.data.sharded import ShardedBatches, merge_states, owned_shards
-from glm5_jax.experiment import ExperimentConfig, load_experiment
 from glm5_jax.model.flops import training_flops_per_token
-from glm5_jax.parallel.mesh import make_mesh
-from glm5_jax.parallel.rules import logical_to_spec
-from glm5_jax.parallel.runtime import (DistributedError, allgather_json, global_batch, initialize, is_primary,
+from glm5_jax.model.transformer import forward
+from glm5_jax.distributed.mesh import make_mesh
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.distributed.runtime import (DistributedError, allgather_json, global_batch, initialize, is_primary,
                                        process_row_block)
 from glm5_jax.parallel.sharding import init_opt_state_sharded, init_sharded, opt_state_shardings, param_shardings
+from glm5_jax.train import losses
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
+from glm5_jax.train.rl_step import rl_optim_config
 from glm5_jax.train.step import TrainState, make_train_step, validate_batch
 from glm5_jax.train.finite_guard import checked_leaf_names, describe_non_finite
 from glm5_jax.train.resume import check_resume_config, default_experiment_dict, drop_metrics_after
-from glm5_jax.train.run_lock import RunLock, RunLockedError
+from glm5_jax.train.run_lock import RunLock
 from glm5_jax.train.tensorboard import SummaryWriter
 
 
@@ -47,8 +56,6 @@ class TrainingError(RuntimeError):
 
 
 def build_tokenizer(cfg: ExperimentConfig):
-    from glm5_jax.data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer "
@@ -60,15 +67,11 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
                   shard: int = 0, num_shards: int = 1):
     """(grain iterable of batches, stats dict) for the configured source: data shard `shard` of `num_shards`
     (every num_shards-th document, its own seed, batch_size / num_shards rows per batch)."""
-    from glm5_jax.data.pretrain import pretrain_dataset, read_jsonl
-
     data, train = cfg.data, cfg.train
     seed = train.seed + seed_offset + 7919 * shard
     batch_size = train.batch_size // num_shards
     if data.source in ("stdlib", "jsonl"):
         if data.source == "stdlib":
-            from glm5_jax.data.corpus import stdlib_corpus
-
             docs = stdlib_corpus(split, validation_fraction=data.validation_fraction,
                                  max_files=data.max_files or None)
         else:
@@ -78,9 +81,6 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
                                           seed=seed, shuffle=data.shuffle, vocab_size=cfg.model.vocab_size)
         return dataset, stats.as_dict()
     if data.source == "chat_jsonl":
-        from glm5_jax.data.chat import read_chat_jsonl, render_dataset
-        from glm5_jax.data.sft import sft_dataset
-
         records = [r for path in data.paths for r in read_chat_jsonl(path, location_ids=True)][shard::num_shards]
         rendered = render_dataset(records, tokenizer, max_length=train.seq_len, clear_thinking=data.clear_thinking)
         rendered.require_examples(", ".join(data.paths))
@@ -98,10 +98,6 @@ def build_dataset(cfg: ExperimentConfig, tokenizer, split: str = "train", seed_o
 def rollout_batches(cfg: ExperimentConfig, seed: int):
     """RL batches from stored rollout records: validated (errors name the rollout), filtered (stale, failed,
     broken groups; every drop counted), advantages over whole groups, then fixed-shape batches."""
-    from glm5_jax.data.rollouts import (RolloutError, filter_and_pad, read_rollouts, require_kept, rollout_dataset,
-                                        validate_records)
-    from glm5_jax.train.rl_step import rl_step_config_from_dict
-
     if cfg.train.mode != "rl":
         raise ConfigError(f"data.source='rollouts' is invalid for train.mode={cfg.train.mode!r}: use mode rl")
     rl = rl_step_config_from_dict(cfg.rl)
@@ -192,9 +188,6 @@ def evaluate(cfg: ExperimentConfig, params, tokenizer, layout: MeshLayout) -> fl
     attention (so a DSA run is evaluated with its top-k selection)."""
     if cfg.data.source != "stdlib" or cfg.data.validation_fraction == 0:
         return None
-    from glm5_jax.train import losses
-    from glm5_jax.model.transformer import forward
-
     batches, _ = sharded_batches(cfg, tokenizer, split="validation", seed_offset=1)
 
     @functools.partial(jax.jit, out_shardings=layout.replicated)
@@ -248,8 +241,6 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
         log(f"initialised parameters from {cfg.train.init_from}")
     optim_config, rl_config = cfg.optim, None
     if cfg.train.mode == "rl":
-        from glm5_jax.train.rl_step import rl_optim_config, rl_step_config_from_dict
-
         rl_config = rl_step_config_from_dict(cfg.rl)
         optim_config = rl_optim_config(cfg.optim, rl_config)  # the DSA indexer is frozen in RL by default
     optimizer = make_optimizer(optim_config, params)
@@ -347,24 +338,3 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
         if metrics_file is not None:
             metrics_file.close()
         checkpointer.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm5 train", description="Run an experiment from a config file.")
-    parser.add_argument("config", help="experiment YAML (sections model/optim/train/data/checkpoint)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
-    parser.add_argument("--allow-config-change", action="store_true",
-                        help="resume although the config differs from the checkpoint's (beyond steps, logging, "
-                             "checkpoint cadence)")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_experiment(args.config, args.overrides)
-        run(cfg, allow_config_change=args.allow_config_change)
-    except (ConfigError, TrainingError, RunLockedError, ValueError, DistributedError) as err:
-        print(f"glm5 train: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec
 
-from glm5_jax.parallel.mesh import BATCH_AXES
+from glm5_jax.config.mesh import BATCH_AXES
 
 
 def _active_mesh(mesh):

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
-from glm5_jax.model.moe import grouped_swiglu
-from glm5_jax.parallel.mesh import BATCH_AXES, mesh_axis_size
-from glm5_jax.parallel.rules import logical_to_spec
+from glm5_jax.model.experts import grouped_swiglu
+from glm5_jax.config.mesh import BATCH_AXES
+from glm5_jax.distributed.mesh import mesh_axis_size
+from glm5_jax.distributed.logical_axes import logical_to_spec
 
 EP_TRANSPORTS = ("auto", "padded", "ragged")
 EXPERT_AXIS = "expert"
@@ -228,7 +229,7 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
 
     if EXPERT_AXIS not in mesh.axis_names:
         raise ExpertParallelError(f"mesh axes {mesh.axis_names} lack {EXPERT_AXIS!r}: build the mesh with "
-                                  "glm5_jax.parallel.mesh.make_mesh")
+                                  "glm5_jax.distributed.mesh.make_mesh")
     token_axes = _token_axes(mesh)
     shards = math.prod(mesh_axis_size(mesh, axis) for axis in token_axes)
     expert_shards = mesh_axis_size(mesh, EXPERT_AXIS)

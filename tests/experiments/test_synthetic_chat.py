@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.data.chat import read_chat_jsonl, render_chat, render_dataset, split_by_role
-from glm5_jax.data.synthetic_chat import CAPITALS, generate_records, main, write_jsonl
+from experiments.chat_sft.synthetic_chat import CAPITALS, generate_records, main, write_jsonl
 from glm5_jax.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()

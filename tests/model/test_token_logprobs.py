@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.train.token_logprobs import chunked_logsumexp, token_logprobs
+from glm5_jax.model.token_logprobs import chunked_logsumexp, token_logprobs
 
 B, S, D, V = 2, 3, 5, 11
 

@@ -1,5 +1,6 @@
-"""The one table of logical axis rules: every parameter and activation dim has a logical name, every logical
-name a list of mesh axes it may be split over.
+"""The one table of logical axis rules: every parameter and activation dim has a logical name (parameters carry
+theirs as metadata, set where the model's modules create them), every logical name a list of mesh axes it may
+be split over.
 
 A dim takes, in order, the candidate mesh axes not yet used by an earlier dim of the same array, as long as
 the dim stays divisible by the product of the axes taken (otherwise the axis is left for a later dim, or the
@@ -16,8 +17,7 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm5_jax.parallel.mesh import BATCH_AXES
-from glm5_jax.tree_paths import path_names
+from glm5_jax.config.mesh import BATCH_AXES
 
 # Logical name -> candidate mesh axes, in the order they are taken.
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
@@ -41,39 +41,8 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "topk": (),
 }
 
-# Parameter leaves, keyed by the tail of their path, with the logical names of their dims (no layer axis).
-PARAM_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("embed", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("scale",): ("norm",),
-    ("k_norm", "bias"): ("norm",),
-    ("q_a_proj", "kernel"): ("embed", "q_lora"),
-    ("q_b_proj", "kernel"): ("q_lora", "heads", "head_dim"),
-    ("kv_a_proj", "kernel"): ("embed", "kv_lora"),
-    ("kv_b_proj", "kernel"): ("kv_lora", "heads", "head_dim"),
-    ("o_proj", "kernel"): ("heads", "head_dim", "embed"),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
-    ("up_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
-    ("router", "kernel"): ("embed", "router_experts"),
-    ("e_score_correction_bias",): ("router_experts",),
-    ("experts", "gate_proj"): ("experts", "embed", "expert_mlp"),
-    ("experts", "up_proj"): ("experts", "embed", "expert_mlp"),
-    ("experts", "down_proj"): ("experts", "expert_mlp", "embed"),
-    ("wq_b", "kernel"): ("q_lora", "index_heads", "index_head_dim"),
-    ("wk", "kernel"): ("embed", "index_head_dim"),
-    ("weights_proj", "kernel"): ("embed", "index_heads"),
-    # [2D, D]: the concatenated input dim is the larger one and claims `fsdp` first.
-    ("eh_proj", "kernel"): ("embed", "embed"),
-}
-
-# Top-level sections whose leaves carry a leading stacked-layer axis.
-STACKED_SECTIONS = ("dense_layers", "moe_layers", "indexers")
-PARAM_SECTIONS = ("embed", "dense_layers", "moe_layers", "indexers", "final_norm", "lm_head", "mtp")
-
-
 class ShardingRuleError(ValueError):
-    """A parameter path or logical axis name has no sharding rule, or disagrees with the array's rank."""
+    """A logical axis name has no sharding rule, or the names disagree with the array's rank."""
 
 
 def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> Mapping[str, int]:
@@ -103,27 +72,6 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
         used.update(taken)
         entries.append(None if not taken else taken[0] if len(taken) == 1 else tuple(taken))
     return PartitionSpec(*entries)
-
-
-def param_logical_axes(names: Sequence[str], ndim: int) -> tuple[str, ...]:
-    """Logical names of the dims of the parameter at path `names` (e.g. ("moe_layers", "attn", "o_proj",
-    "kernel")), including the leading "layers" axis of stacked sections."""
-    names = tuple(names)
-    match = next((names[-n:] for n in (3, 2, 1) if names[-n:] in PARAM_LOGICAL_AXES), None)
-    if match is None:
-        raise ShardingRuleError(f"parameter '{'/'.join(names)}' has no entry in PARAM_LOGICAL_AXES; add one")
-    axes = (("layers",) if names[0] in STACKED_SECTIONS else ()) + PARAM_LOGICAL_AXES[match]
-    if len(axes) != ndim:
-        raise ShardingRuleError(f"parameter '{'/'.join(names)}' has rank {ndim} but its rule gives {len(axes)} "
-                                f"dims {axes}")
-    return axes
-
-
-def param_specs(params, mesh: Mesh | Mapping[str, int]):
-    """PartitionSpec of every parameter leaf (params may be arrays or `jax.ShapeDtypeStruct`s)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: logical_to_spec(param_logical_axes(path_names(path), len(leaf.shape)), leaf.shape, mesh),
-        params)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None) -> jax.Array:

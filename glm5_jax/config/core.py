@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
 
@@ -37,8 +38,14 @@ ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
 MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
+# `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +213,7 @@ class ModelConfig:
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),
                               ("moe_backend", MOE_BACKENDS),
                               ("ep_transport", ("auto", "padded", "ragged")),
-                              ("remat_policy", REMAT_POLICIES), ("param_dtype", DTYPES),
+                              ("remat_policy", tuple(REMAT_POLICIES)), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"must be one of {allowed}")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from glm5_jax.config import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
-                             apply_overrides, from_dict, load_yaml, require_finite_floats)
-from glm5_jax.parallel.mesh import MeshConfig
-from glm5_jax.parallel.runtime import DistributedConfig
-from glm5_jax.train.optim import OptimConfig
+from glm5_jax.config.core import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
+                                  apply_overrides, from_dict, load_yaml, require_finite_floats)
+from glm5_jax.config.distributed import DistributedConfig
+from glm5_jax.config.mesh import MeshConfig
+from glm5_jax.config.optim import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig
     mesh: MeshConfig = MeshConfig(fsdp=-1)
     distributed: DistributedConfig = DistributedConfig()
-    rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.train.rl
+    rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.config.rl
 
     def validate(self) -> "ExperimentConfig":
         try:

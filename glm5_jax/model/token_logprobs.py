@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Finite stand-in for -inf: exp(_MASKED - m) is exactly 0 and 0 * _MASKED stays finite.
-_MASKED = -1e30
+from pallas_kernels import NEG_INF
 
 
 def _concrete(x):
@@ -47,7 +46,7 @@ def _chunk_logits(hidden, kernel, inv_temperature, index, chunk):
     logits = logits * inv_temperature[:, None, None]
     columns = start + jnp.arange(chunk)
     fresh = columns >= index * chunk
-    return jnp.where(fresh, logits, _MASKED), columns, fresh, kernel_chunk
+    return jnp.where(fresh, logits, NEG_INF), columns, fresh, kernel_chunk
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -72,7 +71,7 @@ def _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk):
         target_logit = target_logit + jnp.where(is_target, logits, 0.0).sum(-1)
         return (new_max, sum_exp, sum_exp_logit, target_logit), None
 
-    init = (jnp.full(targets.shape, _MASKED, jnp.float32), zeros, zeros, zeros)
+    init = (jnp.full(targets.shape, NEG_INF, jnp.float32), zeros, zeros, zeros)
     (running_max, sum_exp, sum_exp_logit, target_logit), _ = jax.lax.scan(visit, init, jnp.arange(num_chunks))
     logsumexp = running_max + jnp.log(sum_exp)
     entropy = logsumexp - sum_exp_logit / sum_exp

@@ -4,7 +4,7 @@ Each conversation: a user asks an arithmetic or capital-city question, the assis
 calculator or lookup tool, reads the observation and answers; some continue with a follow-up question.
 A share of them contain an erroneous assistant turn, marked "error": true: a calculator call with the wrong
 operator, followed by its (wrong) result and a corrected call. Some user turns end in "/nothink", and the
-reply to them has no reasoning. `python -m glm5_jax.data.synthetic_chat OUT.jsonl --num-records N --seed S`.
+reply to them has no reasoning. `python experiments/chat_sft/synthetic_chat.py OUT.jsonl --num-records N --seed S`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,36 @@
+"""Device meshes with the four named axes `data`, `fsdp`, `expert`, `tensor` (any of size 1).
+
+Axis roles: `data` replicates parameters and splits the batch; `fsdp` splits the batch and shards every
+parameter on one large dim (gathered per layer when used); `expert` splits the batch outside the MoE and the
+routed experts inside it; `tensor` splits heads, MLP hidden and vocabulary. `tensor` is the innermost axis so
+that its frequent all-reduces stay on the fastest links.
+
+Axis types are `AxisType.Auto`: the model code stays sharding-agnostic, GSPMD propagates the parameter
+shardings and the `constrain` hints, and `jax.shard_map` (expert parallelism) runs inside `jax.jit` the same
+way on jax 0.10 and 0.11. `Explicit` axes would make every einsum of the model state its output sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from glm5_jax.config.mesh import AXIS_NAMES, MeshConfig, MeshConfigError
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `jax.make_mesh` mesh over `devices` (default: all) with the axes `AXIS_NAMES`, all `Auto`."""
+    if not isinstance(cfg, MeshConfig):
+        raise MeshConfigError(f"cfg must be a MeshConfig, got {type(cfg).__name__}")
+    devices = list(jax.devices() if devices is None else devices)
+    cfg.validate_devices(len(devices))
+    return jax.make_mesh(cfg.shape, AXIS_NAMES, axis_types=(AxisType.Auto,) * len(AXIS_NAMES), devices=devices)
+
+
+def mesh_axis_size(mesh: Mesh | None, name: str) -> int:
+    """Size of axis `name` in `mesh`; 1 when there is no mesh or the mesh lacks that axis."""
+    if mesh is None or name not in mesh.axis_names:
+        return 1
+    return mesh.shape[name]

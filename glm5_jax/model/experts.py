@@ -1,0 +1,48 @@
+"""The routed experts' SwiGLU on one device: every expert on every token (the reference), and the dropless
+sort-by-expert dispatch with grouped matmuls (`ragged`). Expert parallelism (`expert_parallel`) runs the same
+grouped matmuls on each device's share of the experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.model.blocked_experts import experts_blocked
+
+
+def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
+    """Every expert on every token; combine with the dense [T, E] routing weights."""
+    n_experts = experts["gate_proj"].shape[0]
+    dtype = x.dtype
+    dense_weights = jnp.zeros((x.shape[0], n_experts), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
+    gate = jnp.einsum("TD,EDF->TEF", x, experts["gate_proj"].astype(dtype))
+    up = jnp.einsum("TD,EDF->TEF", x, experts["up_proj"].astype(dtype))
+    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype))
+    return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
+
+
+def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """SwiGLU of rows already sorted by expert; `group_sizes` [E] rows per expert (grouped matmuls)."""
+    dtype = x_sorted.dtype
+    gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
+
+
+def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                   platform: str | None = None) -> jax.Array:
+    """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
+    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`.
+    `platform` is the one compiled for (default: the default backend)."""
+    if (platform or jax.default_backend()) == "cpu":
+        return experts_blocked(experts, x, expert_ids, weights)
+    n_tokens, top_k = expert_ids.shape
+    n_experts = experts["gate_proj"].shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes)
+    out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
+    return jnp.zeros_like(x).at[token_of].add(out_sorted)

@@ -4,13 +4,15 @@ The `small` config of train_step_vs_hf.py with `index_topk` 256, batch 1, fp32, 
 2K ... 32K. Both sides get the same weights (glm5_jax's init, exported to HF through `glm5_jax.convert.hf`)
 and the same token batches (numpy, from --seed).
   glm5_jax  the jitted `make_train_step` in mode `dsa_sparse` (top-k attention on the `sparse` backend, LM loss,
-            indexer KL over the selected set, AdamW, clip 1.0); the first step compiles and is not timed.
+            indexer KL over the selected set, AdamW, clip 1.0), per-layer remat `full` by default
+            (--remat-policy), the indexer scored 1024 queries at a time (--index-query-chunk); the first step
+            compiles and is not timed.
   HF        model.train(), loss.backward(), clip_grad_norm_(1.0), torch.optim.AdamW.step(); the first step
             is a warm-up. HF computes every [S, T] score and masks it to the top-k.
 Each (side, length) runs in its own child process capped at --mem-cap-gib of address space (RLIMIT_AS; see
 benchmarks/capped_child.py), which reports its peak RSS (getrusage ru_maxrss); a side that needs more fails
-inside the child and is recorded as "does_not_fit" at the cap. Once HF does not fit at a length, longer
-lengths are recorded as not run for HF (they need more).
+inside the child and is recorded as "does_not_fit" at the cap. Once a side does not fit at a length, longer
+lengths are recorded as not run for that side (they need more).
 
 One JSON line per length with both sides' tokens/s (median of the timed steps), ms per token, peak RSS, first
 losses (the same weights and tokens give the same first loss) and the ratios; then a summary line with the
@@ -207,7 +209,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="glm5_jax train mode (dsa_sparse trains the indexer too; pretrain does not)")
     parser.add_argument("--index-query-chunk", type=int, default=1024,
                         help="glm5_jax indexer query rows scored at once (0 = all; bounds the [chunk, T] scores)")
-    parser.add_argument("--remat-policy", default="none", choices=REMAT_POLICIES, help="glm5_jax per-layer remat")
+    parser.add_argument("--remat-policy", default="full", choices=REMAT_POLICIES,
+                        help="glm5_jax per-layer remat (with 'none' the dsa_sparse step's XLA temporaries are "
+                             "6.7 GiB at 2K, so it does not fit the default cap at any length)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for seq in args.seqs:
@@ -244,15 +248,19 @@ def main(argv=None) -> None:
                                   args.mem_cap_gib, args.child_timeout_s)
             if exported.get("status") != "ok":
                 raise SystemExit(f"exporting the weights for HF failed: {exported}")
-        hf_misfit_at = None
+        hf_misfit_at = jax_misfit_at = None
         for seq in args.seqs:
             steps = args.long_steps if seq >= args.long_seq else args.steps
             spec = {"seq": seq, "steps": steps, "seed": args.seed}
             jax_result = {"status": "not_run"}
-            if "glm5_jax" in args.sides:
+            if "glm5_jax" in args.sides and jax_misfit_at is not None:
+                jax_result = {"status": "not_run", "reason": f"does not fit at {jax_misfit_at} already"}
+            elif "glm5_jax" in args.sides:
                 jax_result = run_capped(f"{THIS}:jax_child", dict(spec, mode=args.mode, remat_policy=args.remat_policy,
                                                                   index_query_chunk=args.index_query_chunk),
                                         args.mem_cap_gib, args.child_timeout_s)
+                if jax_result.get("status") == "does_not_fit":
+                    jax_misfit_at = seq
             hf_result = {"status": "not_run"}
             if "hf" in args.sides and hf_misfit_at is not None:
                 hf_result = {"status": "not_run", "reason": f"does not fit at {hf_misfit_at} already"}

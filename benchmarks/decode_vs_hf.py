@@ -1,0 +1,337 @@
+"""Rollout decoding: glm5_jax's latent-cache generation against Hugging Face `generate`, and MTP speculative
+decoding on a trained model.
+
+Part 1, vs HF. The `small` config of train_step_vs_hf.py with `index_topk` 256, fp32, the same weights on both
+sides (glm5_jax's init exported through `glm5_jax.convert.hf`), batch --batch of random prompts of each
+--prompt-lens length, --new-tokens tokens each, greedy, no EOS stop.
+  glm5_jax  `glm5_jax.generation.generate` (jitted prefill, then one jitted decode step per token over the
+            absorbed-form latent cache with DSA top-k; compiled in an untimed first call)
+  HF        `model.generate(do_sample=False, min_new_tokens=max_new_tokens)` with its DynamicCache (which also
+            stores the latent, but re-expands every cached position through kv_b_proj at every step)
+Prefill time = a call with max_new_tokens=1; decode time = a call with --new-tokens minus that (glm5_jax: the
+fastest of 2 calls each; HF: prefill the fastest of 2, the full generation once); prefill tokens/s = batch x
+prompt / prefill time, decode tokens/s = batch x (new - 1) / decode time. Cache bytes per
+token and layer are read from the actual cache arrays (glm5_jax: the state `prefill` returns; HF: the
+DynamicCache `generate` returns) and checked against (kv_lora_rank + qk_rope_head_dim + index_head_dim) x 4.
+The generated tokens of both sides are compared token by token. Each side runs in its own child process,
+capped at --mem-cap-gib (benchmarks/capped_child.py), which also reports its peak RSS.
+
+Part 2, MTP (--mtp-run-dir, a run of `configs/train_tiny_stdlib.yaml` trained with `model.mtp_num_steps=3`):
+plain `generate` against `speculative_generate` (3 drafts per verify step) on its latest checkpoint, at
+temperature 1 (and greedy for reference), batch --batch of byte-tokenized prompts cut from Python standard
+library files; reports the mean accepted length per verify step and the decode speed-up.
+
+  PYTHONPATH=. python benchmarks/decode_vs_hf.py [--prompt-lens 1024 4096] [--mtp-run-dir /tmp/run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.capped_child import GIB, run_capped
+from benchmarks.hf_reference import HF_ATTENTION, load_model
+
+INDEX_TOPK = 256
+THIS = "benchmarks.decode_vs_hf"
+
+
+def model_config(max_len: int):
+    import dataclasses
+
+    from benchmarks.train_step_vs_hf import CONFIGS
+
+    return dataclasses.replace(CONFIGS["small"], index_topk=INDEX_TOPK, max_position_embeddings=max(max_len, 4096))
+
+
+def random_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, prompt_len), dtype=np.int32)
+
+
+def expected_cache_bytes_per_token(c: dict) -> int:
+    """Per layer: the absorbed-form row [c ; k_rope] plus the indexer key, fp32."""
+    return (c["kv_lora_rank"] + c["qk_rope_head_dim"] + c["index_head_dim"]) * 4
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def best_of(fn, repeats: int) -> tuple[float, object]:
+    """The fastest of `repeats` timed calls (background load only ever adds time) and its output."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return min(runs, key=lambda run: run[0])
+
+
+def speeds(batch: int, prompt_len: int, new_tokens: int, prefill_s: float, full_s: float) -> dict:
+    decode_s = full_s - prefill_s
+    return {"prefill_s": round(prefill_s, 3), "generate_s": round(full_s, 3), "decode_s": round(decode_s, 3),
+            "prefill_tokens_per_s": round(batch * prompt_len / prefill_s, 1),
+            "decode_tokens_per_s": round(batch * (new_tokens - 1) / decode_s, 1),
+            "decode_ms_per_step": round(1e3 * decode_s / (new_tokens - 1), 2)}
+
+
+def jax_child(spec: dict) -> dict:
+    """glm5_jax generation (capped child): timings, cache bytes, tokens saved to spec["tokens_out"]."""
+    import jax
+
+    from glm5_jax.generation import SamplingParams, generate
+    from glm5_jax.generation.decode import prefill
+    from glm5_jax.generation.sampling import split_sampling
+    from glm5_jax.model.transformer import init
+
+    batch, prompt_len, new = spec["batch"], spec["prompt_len"], spec["new_tokens"]
+    max_len = prompt_len + new
+    config = model_config(max_len)
+    params = init(config, jax.random.key(spec["seed"]))
+    prompts = random_prompts(config.vocab_size, batch, prompt_len, spec["seed"] + 1)
+    one, full = SamplingParams(temperature=0.0, max_new_tokens=1), SamplingParams(temperature=0.0, max_new_tokens=new)
+
+    def run(sampling):
+        return generate(params, prompts, config=config, sampling=sampling, max_len=max_len)
+
+    compile_s = timed(lambda: run(one))[0] + timed(lambda: run(full))[0]  # first calls compile
+    prefill_s = best_of(lambda: run(one), 2)[0]
+    full_s, out = best_of(lambda: run(full), 2)
+    np.save(spec["tokens_out"], out.tokens)
+    # The cache the decode steps read, as `generate` builds it (same compiled prefill).
+    nucleus, values = split_sampling(full)
+    state, _ = prefill(params, jax.numpy.asarray(prompts), jax.numpy.full((batch,), prompt_len, jax.numpy.int32),
+                       jax.random.key(0), values, config=config, nucleus=nucleus, max_len=max_len,
+                       max_new_tokens=new, collect_routing=False, return_logits=False)
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(state.cache))
+    per_token_layer = cache_bytes / (config.num_hidden_layers * batch * max_len)
+    return {**speeds(batch, prompt_len, new, prefill_s, full_s), "compile_and_first_calls_s": round(compile_s, 1),
+            "cache_bytes": int(cache_bytes), "cache_bytes_per_token_per_layer": per_token_layer,
+            "cache_shapes": {k: list(v.shape) for k, v in state.cache._asdict().items()}}
+
+
+def hf_cache_bytes(cache) -> tuple[int, int]:
+    """(bytes, cached positions) of a DynamicCache of GlmMoeDsa layers (latent keys, rope values, indexer keys)."""
+    total, positions = 0, 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values, getattr(layer, "indexer_keys", None)):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        positions = layer.keys.shape[-2]
+    return total, positions
+
+
+def hf_child(spec: dict) -> dict:
+    """HF generation (capped child; no jax): timings, cache bytes, tokens saved to spec["tokens_out"]."""
+    import torch
+
+    model = load_model(spec["weights_dir"], spec["hf_attention"], spec["threads"]).eval()
+    batch, prompt_len, new = spec["batch"], spec["prompt_len"], spec["new_tokens"]
+    prompts = torch.from_numpy(random_prompts(model.config.vocab_size, batch, prompt_len, spec["seed"] + 1)).long()
+
+    def run(max_new):
+        with torch.no_grad():
+            return model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                  max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None, pad_token_id=0,
+                                  use_cache=True, return_dict_in_generate=True)
+
+    timed(lambda: run(2))  # warm-up (allocator, kernels)
+    prefill_s = best_of(lambda: run(1), 2)[0]
+    full_s, out = timed(lambda: run(new))  # one run: HF's decode is the slow side
+    tokens = out.sequences[:, prompt_len:].numpy().astype(np.int32)
+    np.save(spec["tokens_out"], tokens)
+    cache_bytes, positions = hf_cache_bytes(out.past_key_values)
+    per_token_layer = cache_bytes / (model.config.num_hidden_layers * batch * positions)
+    return {**speeds(batch, prompt_len, new, prefill_s, full_s), "cache_bytes": int(cache_bytes),
+            "cache_positions": positions, "cache_bytes_per_token_per_layer": per_token_layer,
+            "cache_implementation": type(out.past_key_values).__name__}
+
+
+def export_child(spec: dict) -> dict:
+    import jax
+
+    from benchmarks.hf_reference import export_weights
+    from glm5_jax.model.transformer import init
+
+    config = model_config(32768)  # the weights do not depend on it; HF positions up to 32K
+    export_weights(jax.device_get(init(config, jax.random.key(spec["seed"]))), config, spec["weights_dir"])
+    c = config
+    return {"config": {k: getattr(c, k) for k in ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim",
+                                                  "num_hidden_layers", "vocab_size", "hidden_size")}}
+
+
+def token_agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    same = a == b
+    first_diff = [int(np.argmin(row)) if not row.all() else None for row in same]
+    return {"tokens_identical": bool(same.all()), "fraction_equal": round(float(same.mean()), 4),
+            "rows_identical": int(same.all(1).sum()), "first_divergence_per_row": first_diff}
+
+
+def side_record(result: dict) -> dict:
+    record = dict(result)
+    if "peak_rss_bytes" in record:
+        record["peak_rss_gib"] = round(record.pop("peak_rss_bytes") / GIB, 3)
+    return record
+
+
+def measure_vs_hf(args: argparse.Namespace, prompt_len: int, weights_dir: str, config: dict) -> dict:
+    spec = {"batch": args.batch, "prompt_len": prompt_len, "new_tokens": args.new_tokens, "seed": args.seed}
+    out_dir = Path(weights_dir)
+    jax_result = run_capped(f"{THIS}:jax_child", dict(spec, tokens_out=str(out_dir / f"jax_{prompt_len}.npy")),
+                            args.mem_cap_gib, args.child_timeout_s)
+    hf_result = run_capped(f"{THIS}:hf_child", dict(spec, tokens_out=str(out_dir / f"hf_{prompt_len}.npy"),
+                                                    weights_dir=weights_dir, threads=args.threads,
+                                                    hf_attention=args.hf_attention),
+                           args.mem_cap_gib, args.child_timeout_s)
+    row = {"benchmark": "decode_vs_hf", "batch": args.batch, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
+           "index_topk": INDEX_TOPK, "glm5_jax": side_record(jax_result), "hf": side_record(hf_result),
+           "expected_cache_bytes_per_token_per_layer": expected_cache_bytes_per_token(config)}
+    if jax_result.get("status") == "ok" and hf_result.get("status") == "ok":
+        row["ratio_decode_tokens_per_s"] = round(jax_result["decode_tokens_per_s"] / hf_result["decode_tokens_per_s"], 3)
+        row["ratio_prefill_tokens_per_s"] = round(jax_result["prefill_tokens_per_s"]
+                                                  / hf_result["prefill_tokens_per_s"], 3)
+        row["cache_bytes_per_token_per_layer_match"] = all(
+            r["cache_bytes_per_token_per_layer"] == row["expected_cache_bytes_per_token_per_layer"]
+            for r in (jax_result, hf_result))
+        row["agreement"] = token_agreement(np.load(out_dir / f"jax_{prompt_len}.npy"),
+                                           np.load(out_dir / f"hf_{prompt_len}.npy"))
+    row["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return row
+
+
+# ---------------------------------------------------------------- MTP speculative decoding (part 2)
+
+def stdlib_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+    """Byte-tokenized prompts: the first prompt_len bytes of the `batch` largest standard-library modules
+    whose names sort last (a fixed, reproducible choice)."""
+    import sysconfig
+
+    from glm5_jax.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    prompts = []
+    for path in reversed(files):
+        ids = tokenizer.encode(path.read_text(errors="replace"))
+        if len(ids) >= prompt_len:
+            prompts.append(ids[:prompt_len])
+        if len(prompts) == batch:
+            return prompts
+    raise RuntimeError(f"fewer than {batch} stdlib modules hold {prompt_len} tokens")
+
+
+def mtp_child(spec: dict) -> dict:
+    """Plain vs speculative generation on the trained run's latest checkpoint (capped child)."""
+    import jax
+
+    from glm5_jax.config import load_model_config
+    from glm5_jax.generation import SamplingParams, generate, speculative_generate
+    from glm5_jax.parallel.sharding import abstract_params
+    from glm5_jax.train.runner import load_params
+
+    run_dir = Path(spec["run_dir"])
+    config = load_model_config(run_dir / "config.yaml")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract_params(config))
+    params = load_params(run_dir, like)
+    prompts = stdlib_prompts(spec["batch"], spec["prompt_len"])
+    new, drafts = spec["new_tokens"], spec["num_draft"]
+    max_len = spec["prompt_len"] + new + drafts  # one cache length for every call: compiled once
+    rows = {}
+    for name, temperature in (("temperature_1", 1.0), ("greedy", 0.0)):
+        one = SamplingParams(temperature=temperature, max_new_tokens=1)
+        full = SamplingParams(temperature=temperature, max_new_tokens=new)
+        calls = {
+            "plain": lambda s: generate(params, prompts, config=config, sampling=s, max_len=max_len,
+                                        rng=jax.random.key(spec["seed"])),
+            "speculative": lambda s: speculative_generate(params, prompts, config=config, sampling=s,
+                                                          num_draft=drafts, max_len=max_len,
+                                                          rng=jax.random.key(spec["seed"])),
+        }
+        result = {}
+        for kind, call in calls.items():
+            call(one), call(full)  # compile
+            prefill_s = best_of(lambda: call(one), 3)[0]
+            full_s, out = best_of(lambda: call(full), 3)
+            result[kind] = {**speeds(len(prompts), spec["prompt_len"], new, prefill_s, full_s),
+                            "mean_generated": float(out.lengths.mean())}
+            if kind == "speculative":
+                result[kind]["accepted_length_per_step"] = round(out.acceptance_length, 3)
+            result[kind]["tokens"] = out.tokens.tolist()
+        plain_tokens, spec_tokens = result["plain"].pop("tokens"), result["speculative"].pop("tokens")
+        result["decode_speedup"] = round(result["plain"]["decode_s"] / result["speculative"]["decode_s"], 3)
+        result["generate_speedup"] = round(result["plain"]["generate_s"] / result["speculative"]["generate_s"], 3)
+        if temperature == 0:
+            result["greedy_tokens_identical"] = plain_tokens == spec_tokens
+        rows[name] = result
+    return {"run_dir": str(run_dir), "mtp_num_steps": config.mtp_num_steps, "num_draft": drafts, **rows}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-lens", type=int, nargs="*", default=[1024],
+                        help="prompt lengths of the HF comparison (empty: skip it); 4096 is the long one")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--mem-cap-gib", type=float, default=9.0, help="address-space cap of each child, GiB")
+    parser.add_argument("--child-timeout-s", type=float, default=900.0)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--hf-attention", default="eager", choices=HF_ATTENTION)
+    parser.add_argument("--mtp-run-dir", default="",
+                        help="run directory of configs/train_tiny_stdlib.yaml trained with model.mtp_num_steps=3 "
+                             "(empty: skip the MTP part)")
+    parser.add_argument("--mtp-prompt-len", type=int, default=256)
+    parser.add_argument("--mtp-new-tokens", type=int, default=128)
+    parser.add_argument("--mtp-drafts", type=int, default=3, help="drafted tokens per verify step")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in ("batch", "threads", "mtp_prompt_len", "mtp_drafts"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    for name in ("new_tokens", "mtp_new_tokens"):
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 2 "
+                         "(decode speed is measured over the tokens after the first)")
+    for length in args.prompt_lens:
+        if length < 1:
+            parser.error(f"--prompt-lens value {length} is invalid: must be >= 1")
+    if not 1 <= args.mem_cap_gib <= 64:
+        parser.error(f"--mem-cap-gib={args.mem_cap_gib} is invalid: must be in [1, 64] GiB")
+    if args.child_timeout_s <= 0:
+        parser.error(f"--child-timeout-s={args.child_timeout_s} is invalid: must be > 0")
+    if args.mtp_run_dir and not (Path(args.mtp_run_dir) / "checkpoints").is_dir():
+        parser.error(f"--mtp-run-dir={args.mtp_run_dir} is invalid: must be a run directory holding checkpoints/ "
+                     "(train one: glm5 train configs/train_tiny_stdlib.yaml model.mtp_num_steps=3 train.run_dir=DIR)")
+    if not args.prompt_lens and not args.mtp_run_dir:
+        parser.error("nothing to run: give --prompt-lens values and/or --mtp-run-dir")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(json.dumps({"benchmark": "decode_vs_hf", "mem_cap_gib": args.mem_cap_gib, "hf_attention": args.hf_attention,
+                      "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}), flush=True)
+    if args.prompt_lens:
+        with tempfile.TemporaryDirectory(prefix="decode_vs_hf_") as weights_dir:
+            exported = run_capped(f"{THIS}:export_child", {"seed": args.seed, "weights_dir": weights_dir},
+                                  args.mem_cap_gib, args.child_timeout_s)
+            if exported.get("status") != "ok":
+                raise SystemExit(f"exporting the weights for HF failed: {exported}")
+            for prompt_len in args.prompt_lens:
+                print(json.dumps(measure_vs_hf(args, prompt_len, weights_dir, exported["config"])), flush=True)
+    if args.mtp_run_dir:
+        result = run_capped(f"{THIS}:mtp_child", {"run_dir": str(Path(args.mtp_run_dir).resolve()),
+                                                   "batch": args.batch, "prompt_len": args.mtp_prompt_len,
+                                                   "new_tokens": args.mtp_new_tokens, "num_draft": args.mtp_drafts,
+                                                   "seed": args.seed}, args.mem_cap_gib, args.child_timeout_s)
+        print(json.dumps({"benchmark": "decode_mtp_speculative", **side_record(result),
+                          "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -232,7 +232,7 @@ def mtp_child(spec: dict) -> dict:
     from glm5_jax.config import load_model_config
     from glm5_jax.generation import SamplingParams, generate, speculative_generate
     from glm5_jax.parallel.sharding import abstract_params
-    from glm5_jax.train.runner import load_params
+    from glm5_jax.runner import load_params
 
     run_dir = Path(spec["run_dir"])
     config = load_model_config(run_dir / "config.yaml")

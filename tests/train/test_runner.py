@@ -22,9 +22,11 @@ NO_EVAL = {"validation_fraction": 0.0}
 
 
 def _config(run_dir, steps, data=None, **train):
+    # The model, optimizer and shapes of test_run_safety.py's runs: one compiled step (persistent cache) for both.
     return experiment_from_dict({
         "model": MODEL,
-        "optim": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, "total_steps": 8},
+        "optim": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1, "total_steps": 8,
+                  "grad_clip_norm": 0.0},
         "train": {"steps": steps, "batch_size": 2, "seq_len": 32, "log_every": 2, "vocab_chunk": 128,
                   "run_dir": str(run_dir), "eval_batches": 1, **train},
         "data": {"source": "stdlib", "max_files": 6, **(data or {})},

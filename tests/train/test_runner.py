@@ -43,6 +43,7 @@ def _params(run_dir, like):
         return ckpt.restore(like).params
 
 
+@pytest.mark.slow
 def test_train_2n_equals_n_then_resume_n(tmp_path):
     straight = tmp_path / "straight"
     summary = run(_config(straight, 4, NO_EVAL), log=lambda _: None)
@@ -60,6 +61,7 @@ def test_train_2n_equals_n_then_resume_n(tmp_path):
     assert {"loss", "lm_loss", "tokens_per_s", "grad_norm"} <= tags
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     cfg = _config(tmp_path / "nan", 4, NO_EVAL)
     # A learning rate this large overflows the parameters within a few steps.
@@ -88,6 +90,7 @@ def test_bad_experiment_configs_name_the_problem(tmp_path):
         run(cfg, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_rl_mode_trains_from_stored_rollouts(tmp_path):
     from glm5_jax.data.rollouts import RolloutRecord, write_rollouts
 

@@ -111,6 +111,7 @@ def _step(mode="pretrain", microbatches=1, lr=1e-2, trainable="all", bias_rate=1
     return make_train_step(MODEL, train, tx), init_train_state(params, tx)
 
 
+@pytest.mark.slow
 def test_four_microbatches_equal_one_step_on_the_whole_batch():
     batch = _batch()
     # A large Adam eps keeps the first update linear in the gradient, so fp32 summation-order noise in
@@ -130,6 +131,7 @@ def _is_indexer(path) -> bool:
     return "indexer" in keys and "e_score" not in keys
 
 
+@pytest.mark.slow
 def test_dense_warmup_changes_only_indexer_parameters():
     step, state = _step(mode="dsa_warmup", trainable="indexer", bias_rate=0.02)  # the bias must not move either
     before = jax.tree.map(np.asarray, state.params)
@@ -194,6 +196,7 @@ def test_bias_update_moves_load_toward_balance():
     assert start > 2.5 and end < 1.5, (start, end)
 
 
+@pytest.mark.slow
 def test_train_step_applies_the_bias_update_outside_the_optimizer():
     # The step of the microbatch test (compiled once for both). Had Adam (lr 1e-2) moved the bias as well, the
     # change would be about 1e-2, not the update rate.

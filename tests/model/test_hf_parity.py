@@ -46,7 +46,9 @@ def _tie_free_case(config: ModelConfig, seq: int):
     raise AssertionError("no tie-free seed found in 20 tries")
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# The inner loop (not slow) keeps one case; the full suite runs all three.
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[] if name == "grouped_routing" else [pytest.mark.slow])
+                                        for name in sorted(CASES)])
 def case(request):
     spec = dict(CASES[request.param])
     seq = spec.pop("seq")

@@ -91,16 +91,14 @@ def entry_points(shape: Shapes, dtype) -> dict:
 
 
 NAMES = sorted(entry_points(GLM5, jnp.bfloat16))
-# XLA's share of these compiles (the indexer scores' jnp backward, top-k over [B, chunk, T], the d(latent)
-# scatter) takes 10-60 s on a loaded 2-core machine: slow. The fast tier keeps GLM-5's forward kernels.
-SLOW = {"sparse_mla_backward", "indexer_scores_with_backward", "indexer_topk"}
 
 
 def _params():
+    # 3-60 s each (XLA's share: the indexer scores' jnp backward, top-k over [B, chunk, T], the d(latent)
+    # scatter): all in the slow tier.
     for chip in CHIPS:
         for name in NAMES:
-            yield pytest.param(chip, name, id=f"{chip}-glm5-bf16-{name}",
-                               marks=[pytest.mark.tpu_aot, *([pytest.mark.slow] if name in SLOW else [])])
+            yield pytest.param(chip, name, id=f"{chip}-glm5-bf16-{name}", marks=[pytest.mark.tpu_aot, pytest.mark.slow])
 
 
 @pytest.mark.parametrize("chip,name", list(_params()))

@@ -146,6 +146,7 @@ def test_dense_warmup_changes_only_indexer_parameters():
     assert 0 < float(metrics["topk_attention_mass"]) <= 1 and float(metrics["indexer_kl"]) > 0
 
 
+@pytest.mark.slow
 def test_sparse_stage_separates_lm_and_indexer_gradients():
     params = init(MODEL, jax.random.key(3))
     batch = _batch(1)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from param_fill import random_params
+
 from glm5_jax.config import ConfigError, ModelConfig, TrainConfig
 from glm5_jax.model import moe
 from glm5_jax.model.indexer_kl import _kl
@@ -104,7 +106,7 @@ def test_indexer_kl_matches_the_definition():
 def _step(mode="pretrain", microbatches=1, lr=1e-2, trainable="all", bias_rate=1e-3, eps=1e-8):
     optim = OptimConfig(name="adamw", lr=lr, min_lr=0.0, warmup_steps=1, total_steps=10, schedule="constant",
                         weight_decay=0.0, trainable=trainable, eps=eps)
-    params = init(MODEL, jax.random.key(0))
+    params = random_params(MODEL, seed=0)  # init's layout and scales, without compiling init op by op
     tx = make_optimizer(optim, params)
     train = TrainConfig(mode=mode, batch_size=4, seq_len=12, microbatches=microbatches, vocab_chunk=32,
                         bias_update_rate=bias_rate)

@@ -3,19 +3,18 @@
 transposed and placed, never the whole checkpoint held twice or upcast."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from xla_env import subprocess_env
 
 CHECK = Path(__file__).with_name("_import_memory_check.py")
 
 
 def _run(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, env=env,
+    result = subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, env=subprocess_env(),
                             cwd=CHECK.parents[2], timeout=300)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
     return result.stdout

@@ -33,10 +33,12 @@ def assert_matches_forward(params, config, output):
     assert (output.indexer_topk[0, 0, 8] >= 0).sum() == config.index_topk < 9
 
 
+@pytest.mark.slow
 def test_cached_decoding_matches_forward_full_indexers(params, greedy_output):
     assert_matches_forward(params, CONFIG, greedy_output)
 
 
+@pytest.mark.slow
 def test_cached_decoding_matches_forward_index_share(shared_params):
     output = run_greedy(shared_params, SHARED_CONFIG)
     assert_matches_forward(shared_params, SHARED_CONFIG, output)
@@ -45,6 +47,7 @@ def test_cached_decoding_matches_forward_index_share(shared_params):
     assert not np.array_equal(output.indexer_topk[:, 2], output.indexer_topk[:, 0])
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_trainer_logprobs(params, greedy_output):
     sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=MAX_NEW)
     output = run_greedy(params, CONFIG, sampling=sampling, rng=jax.random.key(3))
@@ -69,6 +72,7 @@ def test_sampled_logprobs_equal_trainer_logprobs(params, greedy_output):
     assert (logprob_of_tokens(processed) - output.logprobs > 1e-3).any()  # the nucleus did cut mass
 
 
+@pytest.mark.slow
 def test_greedy_logprobs_are_temperature_one_and_on_policy(params, greedy_output):
     assert greedy_output.temperature == 1.0
     assert_on_policy(params, greedy_output)
@@ -85,6 +89,7 @@ def test_nucleus_keeps_smallest_set_reaching_top_p():
         np.testing.assert_allclose(out[kept], np.asarray(logits)[0, kept] / 0.5, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_eos_stops_only_its_row(params, greedy_output):
     tokens = greedy_output.tokens
     # A token row 1 emits at step j for the first time and row 0 never emits.

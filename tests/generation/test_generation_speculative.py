@@ -32,6 +32,7 @@ def assert_same_as_plain(plain, spec):
         np.testing.assert_array_equal(spec.expert_choices[row, :, :fed], plain.expert_choices[row, :, :fed])
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_plain_greedy(params, greedy_output):
     spec = run_speculative(params)
     assert_same_as_plain(greedy_output, spec)
@@ -62,6 +63,7 @@ def self_drafting_params(params):
     return params
 
 
+@pytest.mark.slow
 def test_greedy_speculative_equals_plain_when_drafts_are_partly_right(params):
     drafting = self_drafting_params(params)
     plain = run_greedy(drafting, CONFIG)
@@ -70,6 +72,7 @@ def test_greedy_speculative_equals_plain_when_drafts_are_partly_right(params):
     assert 1.0 < spec.acceptance_length < NUM_DRAFT + 1
 
 
+@pytest.mark.slow
 def test_every_draft_accepted_gives_acceptance_length_k_plus_one(params):
     # Zero final and MTP head norms: all logits are 0, argmax is token 0 for both the main model and the drafts.
     flat = dict(params, final_norm={"scale": jnp.zeros_like(params["final_norm"]["scale"])},
@@ -127,6 +130,7 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     np.testing.assert_allclose((accepted >= 1).mean(), np.minimum(p[0], q[0]).sum(), atol=tolerance)
 
 
+@pytest.mark.slow
 def test_sampled_speculative_logprobs_equal_trainer_logprobs(params, greedy_output):
     # top_p = 1 keeps the compiled greedy steps (only the nucleus flag is static); top-p is covered by the
     # plain sampling test and the rule test above.

@@ -2,13 +2,14 @@
 IndexShare, packed segments, MTP, scan, the tie-break rule, bad input."""
 
 import dataclasses
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from param_fill import random_params
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import indexer
@@ -26,7 +27,7 @@ TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_inte
 
 @pytest.fixture(scope="module")
 def params():
-    return init(TINY, jax.random.key(0))
+    return random_params(TINY, seed=0)  # init's layout and scales, without compiling init op by op
 
 
 def _tokens(seed, shape=(2, 16)):
@@ -49,6 +50,7 @@ def test_future_tokens_never_change_earlier_logits(params, backend):
                                       np.asarray(b.mtp_logits[k - 1, :, : p + 1 - k]))
 
 
+@pytest.mark.slow
 def test_short_sequences_are_exactly_dense(params):
     tokens = _tokens(2, (2, TINY.index_topk))  # T <= index_topk: every causal key is selected
     sparse = forward(params, tokens, config=TINY, collect_routing=True)
@@ -61,13 +63,14 @@ def test_short_sequences_are_exactly_dense(params):
 
 
 def test_sparse_equals_dense_and_absorbed_equals_expanded(params):
-    tokens = _tokens(3, (2, 20))
+    tokens = _tokens(3)  # the causality test's shape: both forwards are compiled already
     dense = forward(params, tokens, config=dataclasses.replace(TINY, attention_backend="dense"))
     sparse = forward(params, tokens, config=TINY)
     np.testing.assert_allclose(sparse.logits, dense.logits, atol=1e-5)
     np.testing.assert_allclose(sparse.mtp_logits, dense.mtp_logits, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_absorbed_attention_equals_expanded_on_all_keys(params):
     from glm5_jax.model import attention
     from glm5_jax.model.layers import rope_angles
@@ -84,6 +87,7 @@ def test_absorbed_attention_equals_expanded_on_all_keys(params):
     np.testing.assert_allclose(attention.latent_to_heads(attn, latent, TINY), expanded, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_backends_agree_values_and_gradients(params):
     tokens = _tokens(5, (2, 12))
 
@@ -99,6 +103,7 @@ def test_moe_backends_agree_values_and_gradients(params):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_packed_segments_never_interact(params):
     a, b = _tokens(6, (1, 9)), _tokens(7, (1, 7))
     packed = jnp.concatenate([a, b], axis=1)
@@ -115,6 +120,7 @@ def test_packed_segments_never_interact(params):
                                    atol=1e-5)
 
 
+@pytest.mark.slow
 def test_index_share_layers_reuse_previous_topk():
     config = dataclasses.replace(TINY, num_hidden_layers=4, indexer_types=("full", "shared", "shared", "full"))
     p = init(config, jax.random.key(1))
@@ -125,6 +131,7 @@ def test_index_share_layers_reuse_previous_topk():
     assert not np.array_equal(topk[3], topk[0])
 
 
+@pytest.mark.slow
 def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
     from glm5_jax.model.decoder import LayerContext, decoder_layer
     from glm5_jax.model.layers import rms_norm, rope_angles
@@ -169,6 +176,7 @@ def test_scan_keeps_the_jaxpr_independent_of_depth():
     assert size(24) == size(3)
 
 
+@pytest.mark.slow
 def test_unrolled_layers_equal_scanned_layers(params):
     """scan_layers false (MaxText's name) unrolls the layer stacks: same logits, MTP outputs and gradients."""
     tokens = jnp.asarray(np.random.RandomState(3).randint(0, TINY.vocab_size, (2, 12)), jnp.int32)
@@ -253,7 +261,8 @@ def test_grouped_expert_layouts_equal_the_reference(block):
         return jnp.zeros_like(x_).at[order // a].add(out)
 
     # Gradients in the expert weights, the tokens and the routing weights (the router learns through them).
-    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2))
+    # Jitted: op-by-op dispatch of block=1's many small matmuls costs more than one compile.
+    grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))  # noqa: E731
     reference = grad(lambda ex, xx, ww: loss(dispatch.experts_reference, ex, xx, ww))(experts, x, w)
     blocked = grad(lambda ex, xx, ww: loss(lambda *z: dispatch.experts_blocked(*z, block=block), ex, xx, ww))(
         experts, x, w)
@@ -283,8 +292,9 @@ def test_sparse_attention_custom_vjp_equals_autodiff():
         out, lse = sparse_latent_attention(q_, cache_, indices, 0.3, c, return_probs=return_probs)[:2]
         return jnp.sum(out * w_out) + jnp.sum(jnp.where(indices.max(-1, keepdims=True) >= 0, lse, 0.0) * w_lse)
 
-    custom = jax.value_and_grad(loss, argnums=(0, 1))(q, cache, False)
-    autodiff = jax.value_and_grad(loss, argnums=(0, 1))(q, cache, True)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    custom = value_and_grad(q, cache, False)
+    autodiff = value_and_grad(q, cache, True)
     np.testing.assert_allclose(custom[0], autodiff[0], rtol=1e-6)
     for got, want in zip(custom[1], autodiff[1]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_in
                      index_topk=4, mtp_num_steps=1, compute_dtype="float32", moe_backend="ragged").validate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("indexer_mode", [None, "sparse", "dense_warmup"])
 def test_pallas_backend_matches_sparse_in_loss_and_gradients(indexer_mode):
     params = init(CONFIG, jax.random.key(0))

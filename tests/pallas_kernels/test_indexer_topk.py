@@ -95,6 +95,7 @@ def test_all_zero_scores_pick_lowest_indices_first():
     np.testing.assert_array_equal(values[0], np.where(want >= 0, 0.0, np.float32(NEG_INF)))
 
 
+@pytest.mark.slow
 def test_gradients_match_reference():
     """Through indexer_scores (random cotangent) and through indexer_topk's selected scores."""
     q, k, w, masks = _inputs("segments_offset")

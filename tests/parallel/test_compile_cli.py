@@ -22,7 +22,15 @@ SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.c
 @pytest.mark.slow
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, mesh", [("v5p-8", ["mesh.fsdp=4"]), ("v6e-8", ["mesh.fsdp=4", "mesh.data=2"])])
-def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys):
+def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch):
+    compiles = []  # (lowered, compiled) of every compile the command runs: the step is compiled once, by it
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording_compile(lowered, *args, **kwargs):
+        compiles.append((lowered, compile_lowered(lowered, *args, **kwargs)))
+        return compiles[-1][1]
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording_compile)
     config = str(REPO / "configs" / "tiny.yaml")
     code = main(["compile", config, "--topology", topology, *mesh, *SMALL, "--json"])
     out = capsys.readouterr().out
@@ -31,9 +39,14 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys):
     assert report["fits"] and "fits" in out
     assert report["chips"] == get_topology(topology).num_chips
 
+    # What it compiled is the step `abstract_train_step` builds from the same config (compared as lowered
+    # programs, so the step is not compiled a second time), and it printed XLA's memory analysis of it.
+    assert len(compiles) == 1, len(compiles)
+    lowered, compiled = compiles[0]
     cfg = load_experiment(config, [*mesh, *SMALL])
     jitted, state, batch, _ = abstract_train_step(cfg, get_topology(topology).devices())
-    memory = jitted.trace(state, batch).lower().compile().memory_analysis()
+    assert jitted.trace(state, batch).lower().as_text() == lowered.as_text()
+    memory = compiled.memory_analysis()
     printed = {name: int(re.search(rf"^  {name}\s+([\d,]+) bytes", out, re.M).group(1).replace(",", ""))
                for name in ("arguments", "outputs", "temporaries", "aliased")}
     assert printed == {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_env import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 # Small enough to compile in seconds; every feature of tiny.yaml (MoE, DSA top-k, MTP) stays on.
@@ -27,10 +28,7 @@ pytestmark = pytest.mark.slow
 
 
 def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **extra)
-    return env
+    return subprocess_env(devices=devices, **extra)
 
 
 def _train_command(run_dir: Path, steps: int, *overrides: str) -> list[str]:

@@ -2,12 +2,12 @@
 on 8 fake CPU devices. Each group runs tests/parallel/_multidevice_checks.py in a subprocess, because the
 device-count flag must be set before jax is imported and the rest of the suite keeps one device."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from xla_env import subprocess_env
 
 CHECKS = Path(__file__).with_name("_multidevice_checks.py")
 
@@ -44,10 +44,11 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", list(EXPECTED))
 def test_multidevice(group):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run([sys.executable, str(CHECKS), *group.split()], capture_output=True, text=True, env=env,
+    result = subprocess.run([sys.executable, str(CHECKS), *group.split()], capture_output=True, text=True,
+                            env=subprocess_env(),
                             cwd=CHECKS.parents[2], timeout=600)
     passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
     assert result.returncode == 0, f"{group} failed:\n{result.stdout}\n{result.stderr[-4000:]}"

@@ -51,6 +51,7 @@ def test_config_errors_name_the_field():
         run_async_rl(None, CONFIG, dataclasses.replace(TRAIN, batch_size=8), OPTIM, RL, ASYNC, TASK)
 
 
+@pytest.mark.slow
 def test_lagging_worker_staleness_drops_and_pushes(monkeypatch):
     pushes = []
     push = RolloutWorker.push

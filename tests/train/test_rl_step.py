@@ -74,6 +74,7 @@ def _reinforce_grad(params, batch):
     return jax.jit(jax.grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_on_policy_double_sided_is_step_is_the_policy_gradient_update(params, records):
     batch = _batch(records)
     assert float(jnp.abs(batch["advantages"]).sum()) > 0
@@ -106,6 +107,7 @@ def _with_bias(params, seed):
     return {**params, "moe_layers": layers}
 
 
+@pytest.mark.slow
 def test_routing_replay_reproduces_recorded_choices_after_the_bias_changed(params, records):
     batch = _batch(records)
     moved = _with_bias(params, seed=1)
@@ -148,6 +150,7 @@ def _params_like():
     return jax.eval_shape(lambda: init(CONFIG, jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_indexer_is_frozen_by_default_in_rl(params, records, adamw_step):
     step, optim = adamw_step
     assert rl_optim_config(OptimConfig(), dataclasses.replace(RL, train_indexer=True)).trainable == "all"
@@ -166,6 +169,7 @@ def test_indexer_is_frozen_by_default_in_rl(params, records, adamw_step):
     ("loss_mask", lambda r: r.loss_mask[:-1], "one entry per response token"),
     ("prompt_ids", lambda r: np.append(r.prompt_ids, CONFIG.vocab_size), "valid ids"),
 ])
+@pytest.mark.slow
 def test_bad_records_fail_before_the_step_naming_the_record(records, field, value, message):
     bad = dataclasses.replace(records[5], **{field: value(records[5])})
     with pytest.raises(RolloutError, match=rf"rollout 'r5': field '{field}'.*{message}"):
@@ -173,6 +177,7 @@ def test_bad_records_fail_before_the_step_naming_the_record(records, field, valu
                  current_version=0)
 
 
+@pytest.mark.slow
 def test_stale_samples_are_dropped_and_counted(records):
     stale = [dataclasses.replace(r, weight_versions=(0,) if i % 2 else (3,)) for i, r in enumerate(records)]
     rl = rl_step_config_from_dict({"loss": "double_sided_is", "eps_low": 0.2, "eps_high": 0.2, "max_staleness": 1})
@@ -181,6 +186,7 @@ def test_stale_samples_are_dropped_and_counted(records):
     assert counts["dropped_stale"] == 4 and counts["dropped_groups"] == 4 and batch is None
 
 
+@pytest.mark.slow
 def test_a_short_rl_run_on_a_bandit_task_raises_the_mean_reward(params, adamw_step):
     """One-token answers (every id is an EOS id); reward 1 for an id in the lower half of the vocabulary
     (about half at the start). Same shapes as the other tests, so generation and the step are compiled once."""

@@ -7,7 +7,6 @@ the session's compilation cache) except the lock tests, which need a second proc
 """
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from xla_env import subprocess_env
 
 from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.cli import main
@@ -239,11 +239,8 @@ def test_inf_gradients_with_finite_loss_are_never_applied_nor_saved(trained, tmp
 # ---- one run per directory -------------------------------------------------------------------
 
 def _spawn(config: Path, *overrides) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     return subprocess.Popen([sys.executable, "-m", "glm5_jax.cli", "train", str(config), *overrides], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(predicate, process, seconds=120):

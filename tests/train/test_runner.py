@@ -22,9 +22,11 @@ NO_EVAL = {"validation_fraction": 0.0}
 
 
 def _config(run_dir, steps, data=None, **train):
+    # The model, optimizer and shapes of test_run_safety.py's runs: one compiled step (persistent cache) for both.
     return experiment_from_dict({
         "model": MODEL,
-        "optim": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, "total_steps": 8},
+        "optim": {"name": "adamw", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 1, "total_steps": 8,
+                  "grad_clip_norm": 0.0},
         "train": {"steps": steps, "batch_size": 2, "seq_len": 32, "log_every": 2, "vocab_chunk": 128,
                   "run_dir": str(run_dir), "eval_batches": 1, **train},
         "data": {"source": "stdlib", "max_files": 6, **(data or {})},
@@ -41,6 +43,7 @@ def _params(run_dir, like):
         return ckpt.restore(like).params
 
 
+@pytest.mark.slow
 def test_train_2n_equals_n_then_resume_n(tmp_path):
     straight = tmp_path / "straight"
     summary = run(_config(straight, 4, NO_EVAL), log=lambda _: None)
@@ -58,6 +61,7 @@ def test_train_2n_equals_n_then_resume_n(tmp_path):
     assert {"loss", "lm_loss", "tokens_per_s", "grad_norm"} <= tags
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     cfg = _config(tmp_path / "nan", 4, NO_EVAL)
     # A learning rate this large overflows the parameters within a few steps.
@@ -86,6 +90,7 @@ def test_bad_experiment_configs_name_the_problem(tmp_path):
         run(cfg, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_rl_mode_trains_from_stored_rollouts(tmp_path):
     from glm5_jax.data.rollouts import RolloutRecord, write_rollouts
 

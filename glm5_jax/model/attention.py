@@ -181,17 +181,6 @@ def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, 
     return out, lse, probs.astype(q.dtype)
 
 
-def sparse_latent_target(q: jax.Array, cache: jax.Array, indices: jax.Array, lse: jax.Array,
-                         scale: float) -> jax.Array:
-    """Head-mean attention probabilities at the selected keys [B, S, N] (fp32), rebuilt from the forward's
-    log-sum-exp. The inputs are constants here (the indexer's KL target is stop-gradient), so the rows gathered
-    for it are freed after the forward instead of being kept for the backward pass."""
-    q, cache, lse = (jax.lax.stop_gradient(x) for x in (q, cache, lse))
-    logits = jnp.einsum("BSHX,BSNX->BSHN", q, _gather_rows(cache, indices)).astype(jnp.float32) * scale
-    probs = jnp.where((indices >= 0)[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0)
-    return probs.mean(2)
-
-
 def latent_to_heads(params: dict, latent_out: jax.Array, config: ModelConfig) -> jax.Array:
     """[B, S, H, C] latent attention output -> per-head values [B, S, H, P] through W_UV."""
     _, w_uv = _split_kv_b(params, config, latent_out.dtype)

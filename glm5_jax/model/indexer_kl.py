@@ -48,11 +48,9 @@ def _sparse_attention_and_target(attn, proj, topk, config):
     """Attention over the selected keys, and the head-mean probability target at those keys [B, S, N]."""
     q = attention.absorbed_queries(attn, proj, config)
     if config.attention_backend != "pallas":
-        # The custom-VJP path re-gathers rows in the backward; the target is rebuilt from its lse.
-        latent, lse = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
-                                                        config.kv_lora_rank)
-        target = attention.sparse_latent_target(q, proj["cache"], topk, lse, config.softmax_scale)
-        return attention.latent_to_heads(attn, latent, config), target
+        latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
+                                                             config.kv_lora_rank, return_probs=True)
+        return attention.latent_to_heads(attn, latent, config), probs.astype(jnp.float32).mean(2)
     latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
                                        kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]), topk,

@@ -27,8 +27,18 @@ TIMEOUT = 420
 pytestmark = pytest.mark.slow
 
 
+_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                    "JAX_COMPILATION_CACHE_MAX_SIZE")
+
+
 def _env(devices: int, **extra) -> dict:
-    return subprocess_env(devices=devices, **extra)
+    env = subprocess_env(devices=devices, **extra)
+    if "JAX_NUM_PROCESSES" in extra:
+        # No shared persistent compile cache across a jax.distributed job: in CI two processes of one job that
+        # shared it hung in their first step (one read an executable the other compiled).
+        for name in _CACHE_VARIABLES:
+            env.pop(name, None)
+    return env
 
 
 def _train_command(run_dir: Path, steps: int, *overrides: str) -> list[str]:

@@ -107,7 +107,8 @@ class ModelConfig:
     # MaxText's `scan_layers: false`: no stacked residual buffers, ~7% faster steps for a shallow model on
     # CPU (benchmarks/BENCHMARKS.md), but compile time grows with the number of layers.
     scan_layers: bool = True
-    # Query rows processed at once by the indexer (bounds the [chunk, T] score tensor); 0 = all at once.
+    # Query rows processed at once by the indexer and the sparse attention (bounds the [chunk, T] index scores
+    # and the gathered [chunk, N, C+R] latent rows); 0 = all at once.
     index_query_chunk: int = 0
 
     # ---- derived quantities -------------------------------------------------------------------

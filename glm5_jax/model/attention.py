@@ -11,8 +11,6 @@ Backend `auto` picks `dense` or `sparse` per call from the static shapes (`choos
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +19,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved, rms_norm
 from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import selected_mask, visible_keys
+from glm5_jax.model.sparse_latent import sparse_latent_attention
 from pallas_kernels import NEG_INF, sparse_mla_attention
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
@@ -113,74 +112,6 @@ def absorbed_queries(params: dict, proj: dict, config: ModelConfig) -> jax.Array
     return jnp.concatenate([q_latent, proj["q_rope"]], axis=-1)
 
 
-def _gather_rows(cache: jax.Array, indices: jax.Array) -> jax.Array:
-    """[B, T, X] rows at indices [B, S, N] (unused slots read row 0) -> [B, S, N, X]."""
-    return jax.vmap(lambda c, i: c[i])(cache, jnp.maximum(indices, 0))
-
-
-def _latent_probs(q, rows, valid, scale):
-    logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
-    logits = jnp.where(valid[:, :, None, :], logits, NEG_INF)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0), lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _sparse_latent_core(q, cache, indices, scale, kv_lora_rank):
-    return _sparse_latent_fwd(q, cache, indices, scale, kv_lora_rank)[0]
-
-
-def _sparse_latent_fwd(q, cache, indices, scale, kv_lora_rank):
-    rows = _gather_rows(cache, indices)
-    probs, lse = _latent_probs(q, rows, indices >= 0, scale)
-    # Full-width product, then slice: cheaper than slicing the [B, S, N, C+R] rows to their first C columns.
-    out = jnp.einsum("BSHN,BSNX->BSHX", probs.astype(q.dtype), rows)[..., :kv_lora_rank]
-    # The gathered rows ([B, S, N, C+R], the largest tensor here) are not kept: the backward re-gathers them.
-    return (out, lse), (q, cache, indices, out, lse)
-
-
-def _sparse_latent_bwd(scale, kv_lora_rank, residuals, cotangents):
-    q, cache, indices, out, lse = residuals
-    d_out, d_lse = cotangents
-    valid = indices >= 0
-    rows = _gather_rows(cache, indices)
-    logits = jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
-    probs = jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0)
-    d_out_wide = jnp.pad(d_out, [(0, 0)] * 3 + [(0, q.shape[-1] - kv_lora_rank)])  # zero rope columns
-    d_probs = jnp.einsum("BSHX,BSNX->BSHN", d_out_wide, rows).astype(jnp.float32)
-    # d logit = p * (d_out.v - (d_out.out - d_lse)), the softmax Jacobian with the lse cotangent folded in.
-    shift = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    d_logits = (probs * (d_probs - shift[..., None]) * scale).astype(q.dtype)
-    d_q = jnp.einsum("BSHN,BSNX->BSHX", d_logits, rows)
-    d_rows = (jnp.einsum("BSHN,BSHX->BSNX", d_logits, q)
-              + jnp.einsum("BSHN,BSHX->BSNX", probs.astype(q.dtype), d_out_wide))
-    num_keys = cache.shape[1]
-    targets = jnp.where(valid, indices, num_keys)  # unused slots land out of range and are dropped
-    # fp32 accumulation: a row chosen by many queries sums many contributions.
-    d_cache = jax.vmap(lambda z, i, v: z.at[i].add(v, mode="drop"))(
-        jnp.zeros(cache.shape, jnp.float32), targets, d_rows.astype(jnp.float32))
-    return d_q, d_cache.astype(cache.dtype), None
-
-
-_sparse_latent_core.defvjp(_sparse_latent_fwd, _sparse_latent_bwd)
-
-
-def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, scale: float,
-                            kv_lora_rank: int, return_probs: bool = False):
-    """jnp reference of sparse MQA attention: gather the N selected latent rows per query.
-
-    q [B, S, H, C+R], cache [B, T, C+R], indices [B, S, N] (-1 = unused slot).
-    Returns the latent output [B, S, H, C] and the fp32 log-sum-exp [B, S, H] (and, when asked, the
-    probabilities [B, S, H, N] of the selected rows). Without probabilities it runs through a custom VJP that
-    re-gathers the rows in the backward pass instead of keeping them, as the Pallas kernel does."""
-    if not return_probs:
-        return _sparse_latent_core(q, cache, indices, float(scale), kv_lora_rank)
-    rows = _gather_rows(cache, indices)
-    probs, lse = _latent_probs(q, rows, indices >= 0, scale)
-    out = jnp.einsum("BSHN,BSNC->BSHC", probs.astype(q.dtype), rows[..., :kv_lora_rank])
-    return out, lse, probs.astype(q.dtype)
-
-
 def latent_to_heads(params: dict, latent_out: jax.Array, config: ModelConfig) -> jax.Array:
     """[B, S, H, C] latent attention output -> per-head values [B, S, H, P] through W_UV."""
     _, w_uv = _split_kv_b(params, config, latent_out.dtype)
@@ -209,7 +140,7 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
         q = absorbed_queries(params, proj, config)
         if backend == "sparse":
             latent_out, _ = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
-                                                    config.kv_lora_rank)
+                                                    config.kv_lora_rank, config.index_query_chunk)
         else:
             latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
                                                  kv_lora_rank=config.kv_lora_rank, **config.pallas_options)

@@ -17,6 +17,7 @@ from glm5_jax.model.indexer_kl import attend_with_indexer_kl
 from glm5_jax.model.kv_cache import KVCache, LayerCache, visible_slots, write_rows
 from glm5_jax.model.layers import Scale, SwiGLU, rms_norm, swiglu
 from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.sparse_latent import sparse_latent_attention
 from glm5_jax.model.variables import ParamModule
 from pallas_kernels import NEG_INF, indexer_topk, sparse_mla_attention
 
@@ -108,7 +109,8 @@ def _attend_cached(layer, proj: dict, topk: jax.Array, cache: LayerCache, config
         latent_out, _ = sparse_mla_attention(q, rows, topk, scale=config.softmax_scale,
                                              kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     else:
-        latent_out, _ = attention.sparse_latent_attention(q, rows, topk, config.softmax_scale, config.kv_lora_rank)
+        latent_out, _ = sparse_latent_attention(q, rows, topk, config.softmax_scale, config.kv_lora_rank,
+                                                config.index_query_chunk)
     heads = attention.latent_to_heads(layer["attn"], latent_out, config)
     return attention.output_projection(layer["attn"], heads), latent
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import attention, indexer
 from glm5_jax.model.masks import selected_mask, visible_keys
+from glm5_jax.model.sparse_latent import (gather_rows, map_query_chunks, num_query_chunks, sparse_latent_attention,
+                                          sparse_latent_target)
 from pallas_kernels import NEG_INF, dense_attention_target, indexer_scores, sparse_attention_target, sparse_mla_attention
 
 INDEXER_MODES = ("dense_warmup", "sparse")
@@ -45,17 +47,34 @@ def _dense_attention_and_target(attn, proj, visible, segment_ids, config):
 
 
 def _sparse_attention_and_target(attn, proj, topk, config):
-    """Attention over the selected keys, and the head-mean probability target at those keys [B, S, N]."""
+    """Attention over the selected keys, and the head-mean probability target at those keys [B, S, N].
+    Neither side keeps gathered rows for the backward: both rebuild the target from the forward's lse."""
     q = attention.absorbed_queries(attn, proj, config)
     if config.attention_backend != "pallas":
-        latent, _, probs = attention.sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
-                                                             config.kv_lora_rank, return_probs=True)
-        return attention.latent_to_heads(attn, latent, config), probs.astype(jnp.float32).mean(2)
+        chunk = config.index_query_chunk
+        latent, lse = sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale, config.kv_lora_rank,
+                                              chunk)
+        target = sparse_latent_target(q, proj["cache"], topk, lse, config.softmax_scale, chunk)
+        return attention.latent_to_heads(attn, latent, config), target
     latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
                                        kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(proj["cache"]), topk,
                                      jax.lax.stop_gradient(lse), scale=config.softmax_scale, **config.pallas_options)
     return attention.latent_to_heads(attn, latent, config), target
+
+
+def _selected_kl(p, q_i, w_i, k_i, topk, query_chunk):
+    """KL(p || softmax of the index scores at the selected keys) per query [B, S]. The gathered index keys
+    [B, chunk, N, J] are recomputed in the backward (checkpointed blocks), not kept."""
+
+    @jax.checkpoint
+    def block(p_c, q_c, w_c, topk_c):
+        keys = gather_rows(k_i, topk_c)  # [B, c, N, J]: only selected rows
+        logits = jnp.einsum("BSIJ,BSNJ->BSIN", q_c.astype(jnp.float32), keys.astype(jnp.float32))
+        scores = jnp.einsum("BSI,BSIN->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
+        return _kl(p_c, scores, topk_c >= 0)
+
+    return map_query_chunks(block, num_query_chunks(topk.shape[1], query_chunk), p, q_i, w_i, topk)
 
 
 def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj: dict, topk: jax.Array,
@@ -79,11 +98,7 @@ def attend_with_indexer_kl(attn: dict, indexer_params: dict, h: jax.Array, proj:
     elif mode == "sparse":
         heads, p = _sparse_attention_and_target(attn, proj, topk, config)
         p = jax.lax.stop_gradient(p)
-        valid = topk >= 0
-        keys = jax.vmap(lambda k, i: k[i])(k_i, jnp.maximum(topk, 0))  # [B, S, N, J]: only selected rows
-        logits = jnp.einsum("BSIJ,BSNJ->BSIN", q_i.astype(jnp.float32), keys.astype(jnp.float32))
-        selected_scores = jnp.einsum("BSI,BSIN->BSN", w_i, jax.nn.relu(logits * q_i.shape[-1] ** -0.5))
-        kl = _kl(p, selected_scores, valid)
+        kl = _selected_kl(p, q_i, w_i, k_i, topk, config.index_query_chunk)
         captured = jnp.where(token_mask, 1.0, 0.0)  # the attention *is* the selected set
     else:
         raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")

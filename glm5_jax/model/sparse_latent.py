@@ -1,0 +1,141 @@
+"""Sparse MQA attention over gathered latent rows (the jnp form of DSA's attention, backend `sparse`).
+
+Every head of a query attends over the same N selected latent rows [c ; k_rope] (width C + R). The rows
+gathered for a block of queries, [B, chunk, N, C+R], are the largest tensors of a DSA layer; they grow with
+S x N, so at long context they decide whether a step fits. Two things bound them:
+- a custom VJP keeps only (q, cache, indices, out, lse) and re-gathers rows in the backward pass;
+- with `query_chunk` the queries run in blocks under `lax.map` (forward, target) and `lax.scan` (backward,
+  which carries the fp32 cache gradient), so only one block's rows and row gradients exist at a time.
+The indexer KL's target (head-mean probabilities at the selected keys) is rebuilt from the forward's lse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from pallas_kernels import NEG_INF
+
+
+def num_query_chunks(num_queries: int, query_chunk: int) -> int:
+    """How many blocks `query_chunk` splits the queries into; 1 (no chunking) for 0, a chunk that covers
+    every query, or one that does not divide them (the indexer's `select_topk` uses the same rule)."""
+    if query_chunk <= 0 or query_chunk >= num_queries or num_queries % query_chunk:
+        return 1
+    return num_queries // query_chunk
+
+
+def _split(a: jax.Array, n: int) -> jax.Array:
+    return rearrange(a, "B (n c) ... -> n B c ...", n=n)
+
+
+def _merge(a: jax.Array) -> jax.Array:
+    return rearrange(a, "n B c ... -> B (n c) ...")
+
+
+def map_query_chunks(fn, n: int, *per_query: jax.Array):
+    """fn(*blocks) over n query blocks of [B, S, ...] arrays, results re-joined along S; n == 1 calls fn once."""
+    if n == 1:
+        return fn(*per_query)
+    return jax.tree.map(_merge, jax.lax.map(lambda blocks: fn(*blocks), tuple(_split(a, n) for a in per_query)))
+
+
+def gather_rows(cache: jax.Array, indices: jax.Array) -> jax.Array:
+    """[B, T, X] rows at indices [B, S, N] (unused slots read row 0) -> [B, S, N, X]."""
+    return jax.vmap(lambda c, i: c[i])(cache, jnp.maximum(indices, 0))
+
+
+def _logits(q: jax.Array, rows: jax.Array, scale: float) -> jax.Array:
+    return jnp.einsum("BSHX,BSNX->BSHN", q, rows).astype(jnp.float32) * scale
+
+
+def _probs_from_lse(logits: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array:
+    return jnp.where(valid[:, :, None, :], jnp.exp(logits - lse[..., None]), 0.0)
+
+
+def _attend_block(q, cache, indices, scale, kv_lora_rank):
+    rows = gather_rows(cache, indices)
+    valid = indices >= 0
+    logits = jnp.where(valid[:, :, None, :], _logits(q, rows, scale), NEG_INF)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = _probs_from_lse(logits, lse, valid)
+    # Full-width product, then slice: cheaper than slicing the [B, S, N, C+R] rows to their first C columns.
+    out = jnp.einsum("BSHN,BSNX->BSHX", probs.astype(q.dtype), rows)[..., :kv_lora_rank]
+    return out, lse
+
+
+def _block_grads(d_cache, q, indices, out, lse, d_out, d_lse, cache, scale, kv_lora_rank):
+    """One query block's backward: returns (d_cache + this block's row gradients, d_q of the block)."""
+    valid = indices >= 0
+    rows = gather_rows(cache, indices)
+    probs = _probs_from_lse(_logits(q, rows, scale), lse, valid)
+    d_out_wide = jnp.pad(d_out, [(0, 0)] * 3 + [(0, q.shape[-1] - kv_lora_rank)])  # zero rope columns
+    d_probs = jnp.einsum("BSHX,BSNX->BSHN", d_out_wide, rows).astype(jnp.float32)
+    # d logit = p * (d_out.v - (d_out.out - d_lse)), the softmax Jacobian with the lse cotangent folded in.
+    shift = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    d_logits = (probs * (d_probs - shift[..., None]) * scale).astype(q.dtype)
+    d_q = jnp.einsum("BSHN,BSNX->BSHX", d_logits, rows)
+    d_rows = (jnp.einsum("BSHN,BSHX->BSNX", d_logits, q)
+              + jnp.einsum("BSHN,BSHX->BSNX", probs.astype(q.dtype), d_out_wide))
+    targets = jnp.where(valid, indices, cache.shape[1])  # unused slots land out of range and are dropped
+    # fp32 accumulation: a row chosen by many queries sums many contributions.
+    d_cache = jax.vmap(lambda z, i, v: z.at[i].add(v, mode="drop"))(d_cache, targets, d_rows.astype(jnp.float32))
+    return d_cache, d_q
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _sparse_latent_core(q, cache, indices, scale, kv_lora_rank, query_chunk):
+    return _sparse_latent_fwd(q, cache, indices, scale, kv_lora_rank, query_chunk)[0]
+
+
+def _sparse_latent_fwd(q, cache, indices, scale, kv_lora_rank, query_chunk):
+    n = num_query_chunks(q.shape[1], query_chunk)
+    out, lse = map_query_chunks(lambda q_c, i_c: _attend_block(q_c, cache, i_c, scale, kv_lora_rank), n, q, indices)
+    # The gathered rows are not kept: the backward re-gathers them.
+    return (out, lse), (q, cache, indices, out, lse)
+
+
+def _sparse_latent_bwd(scale, kv_lora_rank, query_chunk, residuals, cotangents):
+    q, cache, indices, out, lse = residuals
+    d_out, d_lse = cotangents
+    zeros = jnp.zeros(cache.shape, jnp.float32)
+    n = num_query_chunks(q.shape[1], query_chunk)
+    if n == 1:
+        d_cache, d_q = _block_grads(zeros, q, indices, out, lse, d_out, d_lse, cache, scale, kv_lora_rank)
+    else:
+        def step(d_cache, blocks):
+            return _block_grads(d_cache, *blocks, cache, scale, kv_lora_rank)
+
+        blocks = tuple(_split(a, n) for a in (q, indices, out, lse, d_out, d_lse))
+        d_cache, d_q = jax.lax.scan(step, zeros, blocks)
+        d_q = _merge(d_q)
+    return d_q, d_cache.astype(cache.dtype), None
+
+
+_sparse_latent_core.defvjp(_sparse_latent_fwd, _sparse_latent_bwd)
+
+
+def sparse_latent_attention(q: jax.Array, cache: jax.Array, indices: jax.Array, scale: float,
+                            kv_lora_rank: int, query_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Sparse MQA attention: gather the N selected latent rows per query and attend with every head.
+
+    q [B, S, H, C+R], cache [B, T, C+R], indices [B, S, N] (-1 = unused slot).
+    Returns the latent output [B, S, H, C] and the fp32 log-sum-exp [B, S, H]. A query with no valid slot
+    outputs zeros. `query_chunk` > 0 bounds the gathered rows to [B, chunk, N, C+R] (see module doc)."""
+    return _sparse_latent_core(q, cache, indices, float(scale), kv_lora_rank, query_chunk)
+
+
+def sparse_latent_target(q: jax.Array, cache: jax.Array, indices: jax.Array, lse: jax.Array, scale: float,
+                         query_chunk: int = 0) -> jax.Array:
+    """Head-mean attention probabilities at the selected keys [B, S, N] (fp32), rebuilt from the forward's
+    lse: the indexer KL's target. It is a constant (stop-gradient), so its gathered rows are freed at once."""
+    q, cache, lse = (jax.lax.stop_gradient(x) for x in (q, cache, lse))
+
+    def block(q_c, indices_c, lse_c):
+        logits = _logits(q_c, gather_rows(cache, indices_c), scale)
+        return _probs_from_lse(logits, lse_c, indices_c >= 0).mean(2)
+
+    return map_query_chunks(block, num_query_chunks(q.shape[1], query_chunk), q, indices, lse)

@@ -24,7 +24,7 @@ from glm5_jax.config import load_model_config
 from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.model.flops import attention_flops_per_token
 from glm5_jax.model.transformer import init
-from glm5_jax.runner import build_tokenizer, evaluate, load_params
+from glm5_jax.runner import MeshLayout, build_tokenizer, evaluate, load_params
 
 
 def held_out_loss(run_dir: Path, topk: int, batches: int) -> float:
@@ -32,7 +32,7 @@ def held_out_loss(run_dir: Path, topk: int, batches: int) -> float:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_topk=topk),
                               train=dataclasses.replace(cfg.train, eval_batches=batches))
     params = load_params(run_dir, init(cfg.model, jax.random.key(0)))
-    return evaluate(cfg, params, build_tokenizer(cfg))
+    return evaluate(cfg, params, build_tokenizer(cfg), MeshLayout(cfg))
 
 
 def curve_summary(run_dir: Path, keys: tuple[str, ...], window: int = 5) -> dict:

@@ -95,3 +95,13 @@ def test_directly_built_configs_refuse_nan_too():
         TrainConfig(mtp_loss_weight=float("nan")).validate()
     with pytest.raises(ConfigError, match="train.non_finite='ignore'"):
         TrainConfig(non_finite="ignore").validate()
+
+
+def test_a_query_chunk_that_does_not_divide_the_sequence_is_refused():
+    from glm5_jax.config.experiment import load_experiment
+
+    base = ["train.seq_len=128"]
+    for ok in ("0", "32", "128", "256"):  # off, dividing, or one block of every query
+        assert load_experiment("configs/tiny.yaml", base + [f"model.index_query_chunk={ok}"])
+    with pytest.raises(ConfigError, match=r"model.index_query_chunk=48 is invalid: must divide train.seq_len=128"):
+        load_experiment("configs/tiny.yaml", base + ["model.index_query_chunk=48"])

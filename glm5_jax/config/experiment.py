@@ -39,6 +39,10 @@ class ExperimentConfig:
         if self.train.mode == "dsa_warmup" and self.optim.trainable == "all":
             _fail("optim.trainable", self.optim.trainable,
                   "the DSA dense warm-up trains the indexer only: set optim.trainable=indexer")
+        chunk, seq_len = self.model.index_query_chunk, self.train.seq_len
+        if 0 < chunk < seq_len and seq_len % chunk:
+            # The blocks would silently fall back to one block of every query, with its memory.
+            _fail("model.index_query_chunk", chunk, f"must divide train.seq_len={seq_len} (or be 0 or >= it)")
         if self.train.mode == "rl" and not self.rl:
             _fail("rl", self.rl, "train.mode=rl needs an rl: section (loss, eps_low, eps_high, ...)")
         return self

@@ -85,6 +85,7 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_in
                      moe_backend="ragged").validate()
 
 
+@pytest.mark.slow
 def test_dsa_sparse_stage_in_query_blocks_equals_one_block_in_loss_kl_and_gradients():
     params = init(CONFIG, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, CONFIG.vocab_size)

@@ -7,7 +7,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 from flax import nnx
 
 from glm5_jax.config import ModelConfig
@@ -17,6 +16,7 @@ from glm5_jax.model.indexer_kl import attend_with_indexer_kl
 from glm5_jax.model.kv_cache import KVCache, LayerCache, visible_slots, write_rows
 from glm5_jax.model.layers import Scale, SwiGLU, rms_norm, swiglu
 from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.query_chunks import map_query_chunks, num_query_chunks
 from glm5_jax.model.sparse_latent import sparse_latent_attention
 from glm5_jax.model.variables import ParamModule
 from pallas_kernels import NEG_INF, indexer_topk, sparse_mla_attention
@@ -90,13 +90,9 @@ def cached_topk(indexer_params, h: jax.Array, q_resid: jax.Array, ctx: LayerCont
     keys = indexer.indexer_keys(indexer_params, h, ctx.cos, ctx.sin, config)
     index_keys = write_rows(cache.kv.index_keys, cache.index_slot, keys, cache.positions)
     cached_keys = index_keys[cache.index_slot]
-    s, chunk = q.shape[1], config.index_query_chunk
-    if chunk <= 0 or chunk >= s or s % chunk:
-        return _topk_over_cache(q, weights, cache.positions, cached_keys, config.index_topk), index_keys
-    split = lambda a: rearrange(a, "B (n c) ... -> n B c ...", c=chunk)  # noqa: E731
-    blocks = jax.lax.map(lambda args: _topk_over_cache(*args, cached_keys, config.index_topk),
-                         (split(q), split(weights), split(cache.positions)))
-    return rearrange(blocks, "n B c N -> B (n c) N"), index_keys
+    topk = map_query_chunks(lambda q_c, w_c, pos_c: _topk_over_cache(q_c, w_c, pos_c, cached_keys, config.index_topk),
+                            num_query_chunks(q.shape[1], config.index_query_chunk), q, weights, cache.positions)
+    return topk, index_keys
 
 
 def _attend_cached(layer, proj: dict, topk: jax.Array, cache: LayerCache, config: ModelConfig) -> tuple:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 from flax import nnx
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved, layer_norm
 from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import visible_keys
+from glm5_jax.model.query_chunks import merge_queries, num_query_chunks, split_queries
 from pallas_kernels import NEG_INF
 
 INDEXER_NORM_EPS = 1e-6
@@ -78,18 +78,14 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
                 query_chunk: int = 0) -> jax.Array:
     """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
     exists at a time (chunks run sequentially under `lax.map`)."""
-    s = q.shape[1]
-    if query_chunk <= 0 or query_chunk >= s or s % query_chunk:
+    n_chunks = num_query_chunks(q.shape[1], query_chunk)
+    if n_chunks == 1:
         return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
-    n_chunks = s // query_chunk
 
     def chunk(args):
         q_c, w_c, seg_c, start = args
         return topk_from_scores(index_scores(q_c, k, w_c, seg_c, k_segment_ids, q_offset + start), topk)
 
-    def split(a):
-        return rearrange(a, "B (n c) ... -> n B c ...", n=n_chunks)
-
-    starts = jnp.arange(n_chunks) * query_chunk
-    out = jax.lax.map(chunk, (split(q), split(weights), split(q_segment_ids), starts))
-    return rearrange(out, "n B c N -> B (n c) N")
+    starts = jnp.arange(n_chunks) * (q.shape[1] // n_chunks)  # each block's causal offset
+    blocks = (split_queries(q, n_chunks), split_queries(weights, n_chunks), split_queries(q_segment_ids, n_chunks))
+    return merge_queries(jax.lax.map(chunk, (*blocks, starts)))

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import attention, indexer
 from glm5_jax.model.masks import selected_mask, visible_keys
-from glm5_jax.model.sparse_latent import (gather_rows, map_query_chunks, num_query_chunks, sparse_latent_attention,
-                                          sparse_latent_target)
+from glm5_jax.model.query_chunks import map_query_chunks, num_query_chunks
+from glm5_jax.model.sparse_latent import gather_rows, sparse_latent_attention, sparse_latent_target
 from pallas_kernels import NEG_INF, dense_attention_target, indexer_scores, sparse_attention_target, sparse_mla_attention
 
 INDEXER_MODES = ("dense_warmup", "sparse")

@@ -15,32 +15,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 
+from glm5_jax.model.query_chunks import map_query_chunks, merge_queries, num_query_chunks, split_queries
 from pallas_kernels import NEG_INF
-
-
-def num_query_chunks(num_queries: int, query_chunk: int) -> int:
-    """How many blocks `query_chunk` splits the queries into; 1 (no chunking) for 0, a chunk that covers
-    every query, or one that does not divide them (the indexer's `select_topk` uses the same rule)."""
-    if query_chunk <= 0 or query_chunk >= num_queries or num_queries % query_chunk:
-        return 1
-    return num_queries // query_chunk
-
-
-def _split(a: jax.Array, n: int) -> jax.Array:
-    return rearrange(a, "B (n c) ... -> n B c ...", n=n)
-
-
-def _merge(a: jax.Array) -> jax.Array:
-    return rearrange(a, "n B c ... -> B (n c) ...")
-
-
-def map_query_chunks(fn, n: int, *per_query: jax.Array):
-    """fn(*blocks) over n query blocks of [B, S, ...] arrays, results re-joined along S; n == 1 calls fn once."""
-    if n == 1:
-        return fn(*per_query)
-    return jax.tree.map(_merge, jax.lax.map(lambda blocks: fn(*blocks), tuple(_split(a, n) for a in per_query)))
 
 
 def gather_rows(cache: jax.Array, indices: jax.Array) -> jax.Array:
@@ -109,9 +86,9 @@ def _sparse_latent_bwd(scale, kv_lora_rank, query_chunk, residuals, cotangents):
         def step(d_cache, blocks):
             return _block_grads(d_cache, *blocks, cache, scale, kv_lora_rank)
 
-        blocks = tuple(_split(a, n) for a in (q, indices, out, lse, d_out, d_lse))
+        blocks = tuple(split_queries(a, n) for a in (q, indices, out, lse, d_out, d_lse))
         d_cache, d_q = jax.lax.scan(step, zeros, blocks)
-        d_q = _merge(d_q)
+        d_q = merge_queries(d_q)
     return d_q, d_cache.astype(cache.dtype), None
 
 

@@ -126,3 +126,14 @@ def test_bad_input_is_rejected_before_compiling(params, kwargs, message):
     with pytest.raises(GenerationError, match=message):
         generate(params, kwargs.pop("prompts"), config=CONFIG, **kwargs)
 
+
+
+@pytest.mark.slow
+def test_prefill_in_query_blocks_equals_one_block(params, greedy_output):
+    """A prefill whose indexer top-k and sparse attention run in blocks of 3 of the 9 prompt positions (the
+    prompts pad to 9) decodes exactly as the unblocked one: same tokens, logits and selections."""
+    assert max(map(len, PROMPTS)) % 3 == 0  # the blocks really split the prefill
+    blocked = run_greedy(params, dataclasses.replace(CONFIG, index_query_chunk=3))
+    np.testing.assert_array_equal(blocked.tokens, greedy_output.tokens)
+    np.testing.assert_allclose(blocked.logits, greedy_output.logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.sort(blocked.indexer_topk, -1), np.sort(greedy_output.indexer_topk, -1))

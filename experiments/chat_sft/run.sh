@@ -28,11 +28,5 @@ python "$EXP/evaluate_sft.py" "$DATA/unmasked" "$DATA/heldout.jsonl" "$EXP/resul
 wait
 # Per-step training metrics, trimmed to the fields the README cites.
 for run in masked unmasked; do
-  python -c 'import json, sys
-keep = ("step", "loss", "lm_loss", "grad_norm", "lr", "tokens")
-with open(sys.argv[1]) as src, open(sys.argv[2], "w") as dst:
-    for line in src:
-        row = json.loads(line)
-        dst.write(json.dumps({k: row[k] for k in keep if k in row}) + "\n")' \
-    "$DATA/$run/metrics.jsonl" "$EXP/results/${run}_metrics.jsonl"
+  python experiments/trim_metrics.py "$DATA/$run/metrics.jsonl" "$EXP/results/${run}_metrics.jsonl" step loss lm_loss grad_norm lr tokens
 done

@@ -27,11 +27,5 @@ python "$EXP/evaluate_dsa.py" "$EXP/results/summary.json" \
   dense_control_top64_untrained_indexer=runs/dsa/dense_control@64
 # Per-step training metrics, trimmed to the fields the README cites.
 for run in dense_pretrain warmup sparse dense_control; do
-  python -c 'import json, sys
-keep = ("step", "loss", "lm_loss", "indexer_kl", "topk_attention_mass", "grad_norm", "lr", "tokens")
-with open(sys.argv[1]) as src, open(sys.argv[2], "w") as dst:
-    for line in src:
-        row = json.loads(line)
-        dst.write(json.dumps({k: row[k] for k in keep if k in row}) + "\n")' \
-    "runs/dsa/$run/metrics.jsonl" "$EXP/results/${run}_metrics.jsonl"
+  python experiments/trim_metrics.py "runs/dsa/$run/metrics.jsonl" "$EXP/results/${run}_metrics.jsonl" step loss lm_loss indexer_kl topk_attention_mass grad_norm lr tokens
 done

@@ -40,11 +40,16 @@ MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 # `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).
+# Activations saved under every remat policy, by `checkpoint_name`: the indexer's top-k selection is small
+# (int32 [B, S, N]) but costs O(S x T) to recompute, so the backward pass reads it instead of re-running the indexer.
+ALWAYS_SAVED = ("dsa_topk",)
+_SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _SAVE_ALWAYS,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _SAVE_ALWAYS),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ALWAYS),
 }
 
 

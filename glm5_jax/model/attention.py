@@ -139,8 +139,8 @@ def attend(params: dict, proj: dict, indices: jax.Array, q_segment_ids: jax.Arra
     else:
         q = absorbed_queries(params, proj, config)
         if backend == "sparse":
-            latent_out, _ = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
-                                                    config.kv_lora_rank, config.index_query_chunk)
+            latent_out = sparse_latent_attention(q, proj["cache"], indices, config.softmax_scale,
+                                                 config.kv_lora_rank, config.index_query_chunk)[0]
         else:
             latent_out, _ = sparse_mla_attention(q, proj["cache"], indices, scale=config.softmax_scale,
                                                  kv_lora_rank=config.kv_lora_rank, **config.pallas_options)

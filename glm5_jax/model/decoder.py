@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local
@@ -105,8 +106,8 @@ def _attend_cached(layer, proj: dict, topk: jax.Array, cache: LayerCache, config
         latent_out, _ = sparse_mla_attention(q, rows, topk, scale=config.softmax_scale,
                                              kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
     else:
-        latent_out, _ = sparse_latent_attention(q, rows, topk, config.softmax_scale, config.kv_lora_rank,
-                                                config.index_query_chunk)
+        latent_out = sparse_latent_attention(q, rows, topk, config.softmax_scale, config.kv_lora_rank,
+                                             config.index_query_chunk)[0]
     heads = attention.latent_to_heads(layer["attn"], latent_out, config)
     return attention.output_projection(layer["attn"], heads), latent
 
@@ -159,6 +160,7 @@ def decoder_layer(layer, indexer_params, x: jax.Array, ctx: LayerContext, prev_t
             topk = jax.lax.cond(run_indexer,
                                 lambda: compute_topk(indexer_params, h, proj["q_resid"], ctx, config, mesh),
                                 lambda: prev_topk)
+        topk = checkpoint_name(topk, "dsa_topk")  # remat policies keep it (config.ALWAYS_SAVED)
         if indexer_mode is None:
             attn_out = attention.attend(layer["attn"], proj, topk, ctx.segment_ids, ctx.segment_ids, config)
         else:

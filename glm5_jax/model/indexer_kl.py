@@ -18,7 +18,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model import attention, indexer
 from glm5_jax.model.masks import selected_mask, visible_keys
 from glm5_jax.model.query_chunks import map_query_chunks, num_query_chunks
-from glm5_jax.model.sparse_latent import gather_rows, sparse_latent_attention, sparse_latent_target
+from glm5_jax.model.sparse_latent import gather_rows, sparse_latent_attention
 from pallas_kernels import NEG_INF, dense_attention_target, indexer_scores, sparse_attention_target, sparse_mla_attention
 
 INDEXER_MODES = ("dense_warmup", "sparse")
@@ -48,13 +48,13 @@ def _dense_attention_and_target(attn, proj, visible, segment_ids, config):
 
 def _sparse_attention_and_target(attn, proj, topk, config):
     """Attention over the selected keys, and the head-mean probability target at those keys [B, S, N].
-    Neither side keeps gathered rows for the backward: both rebuild the target from the forward's lse."""
+    The `sparse` backend returns the target from its forward pass; the Pallas one rebuilds it from the lse.
+    Neither keeps gathered rows for the backward."""
     q = attention.absorbed_queries(attn, proj, config)
     if config.attention_backend != "pallas":
         chunk = config.index_query_chunk
-        latent, lse = sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale, config.kv_lora_rank,
-                                              chunk)
-        target = sparse_latent_target(q, proj["cache"], topk, lse, config.softmax_scale, chunk)
+        latent, _, target = sparse_latent_attention(q, proj["cache"], topk, config.softmax_scale,
+                                                    config.kv_lora_rank, chunk)
         return attention.latent_to_heads(attn, latent, config), target
     latent, lse = sparse_mla_attention(q, proj["cache"], topk, scale=config.softmax_scale,
                                        kv_lora_rank=config.kv_lora_rank, **config.pallas_options)
@@ -70,8 +70,9 @@ def _selected_kl(p, q_i, w_i, k_i, topk, query_chunk):
     @jax.checkpoint
     def block(p_c, q_c, w_c, topk_c):
         keys = gather_rows(k_i, topk_c)  # [B, c, N, J]: only selected rows
-        logits = jnp.einsum("BSIJ,BSNJ->BSIN", q_c.astype(jnp.float32), keys.astype(jnp.float32))
-        scores = jnp.einsum("BSI,BSIN->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
+        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products.
+        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_c.astype(jnp.float32))
+        scores = jnp.einsum("BSI,BSNI->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
         return _kl(p_c, scores, topk_c >= 0)
 
     return map_query_chunks(block, num_query_chunks(topk.shape[1], query_chunk), p, q_i, w_i, topk)

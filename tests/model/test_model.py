@@ -82,8 +82,8 @@ def test_absorbed_attention_equals_expanded_on_all_keys(params):
     allowed = jnp.tril(jnp.ones((6, 6), bool))[None]
     expanded = attention.expanded_attention(attn, proj, allowed, TINY)
     indices = jnp.where(allowed, jnp.arange(6)[None, None], -1)
-    latent, _ = attention.sparse_latent_attention(attention.absorbed_queries(attn, proj, TINY), proj["cache"],
-                                                  indices, TINY.softmax_scale, TINY.kv_lora_rank)
+    latent = attention.sparse_latent_attention(attention.absorbed_queries(attn, proj, TINY), proj["cache"],
+                                               indices, TINY.softmax_scale, TINY.kv_lora_rank)[0]
     np.testing.assert_allclose(attention.latent_to_heads(attn, latent, TINY), expanded, atol=1e-5)
 
 

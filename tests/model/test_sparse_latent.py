@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.sparse_latent import num_query_chunks, sparse_latent_attention, sparse_latent_target
+from glm5_jax.model.sparse_latent import num_query_chunks, sparse_latent_attention
 from glm5_jax.model.transformer import forward, init
 from pallas_kernels import NEG_INF
 
@@ -63,17 +63,17 @@ def test_custom_vjp_in_query_blocks_equals_autodiff_of_the_plain_math(query_chun
     for got, want in zip(custom[1], plain[1]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(custom[1][0][1, 3]).max()) == 0.0  # no valid slot: no gradient
-    out, _ = sparse_latent_attention(q, cache, indices, SCALE, C, query_chunk)
+    out = sparse_latent_attention(q, cache, indices, SCALE, C, query_chunk)[0]
     assert float(jnp.abs(out[1, 3]).max()) == 0.0  # ... and a zero output
 
 
 @pytest.mark.parametrize("query_chunk", [0, 3])
-def test_target_from_lse_equals_the_head_mean_probabilities_and_is_a_constant(query_chunk):
+def test_target_equals_the_head_mean_probabilities_and_is_a_constant(query_chunk):
     q, cache, indices = _inputs(2)
-    _, lse, probs = _plain(q, cache, indices)
-    target = sparse_latent_target(q, cache, indices, lse, SCALE, query_chunk)
+    _, _, probs = _plain(q, cache, indices)
+    target = sparse_latent_attention(q, cache, indices, SCALE, C, query_chunk)[2]
     np.testing.assert_allclose(target, probs.mean(2), rtol=1e-6, atol=1e-7)
-    grads = jax.grad(lambda q_: sparse_latent_target(q_, cache, indices, lse, SCALE, query_chunk).sum())(q)
+    grads = jax.grad(lambda q_: sparse_latent_attention(q_, cache, indices, SCALE, C, query_chunk)[2].sum())(q)
     assert not np.any(grads)
 
 
@@ -116,8 +116,7 @@ def test_query_blocks_bound_the_compiled_temporaries_of_the_attention_backward()
 
     def temp_bytes(query_chunk):
         def loss(q, cache, indices):
-            out, lse = sparse_latent_attention(q, cache, indices, SCALE, 128, query_chunk)
-            target = sparse_latent_target(q, cache, indices, lse, SCALE, query_chunk)
+            out, lse, target = sparse_latent_attention(q, cache, indices, SCALE, 128, query_chunk)
             return out.sum() + lse.sum() + target.sum()
 
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower().compile()

@@ -73,19 +73,45 @@ def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
     return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32)
 
 
+# Causal key bands: with q_offset 0 and as many keys as queries, the query blocks are grouped into up to this many
+# bands, each scoring only the keys up to its last query (static slices), which skips most of the masked half.
+MAX_CAUSAL_BANDS = 8
+
+
+def _causal_bands(n_chunks: int) -> int:
+    """The largest divisor of n_chunks that is <= MAX_CAUSAL_BANDS."""
+    return max(b for b in range(1, min(n_chunks, MAX_CAUSAL_BANDS) + 1) if n_chunks % b == 0)
+
+
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
                 query_chunk: int = 0) -> jax.Array:
     """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
-    exists at a time (chunks run sequentially under `lax.map`)."""
+    exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
+    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work."""
     n_chunks = num_query_chunks(q.shape[1], query_chunk)
     if n_chunks == 1:
         return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+    chunk_len = q.shape[1] // n_chunks
+    width = min(topk, k.shape[1])
 
-    def chunk(args):
-        q_c, w_c, seg_c, start = args
-        return topk_from_scores(index_scores(q_c, k, w_c, seg_c, k_segment_ids, q_offset + start), topk)
+    def blocks_over(keys, key_segments, q_, w_, seg_, first):
+        def chunk(args):
+            q_c, w_c, seg_c, start = args
+            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + start), topk)
+            return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
 
-    starts = jnp.arange(n_chunks) * (q.shape[1] // n_chunks)  # each block's causal offset
-    blocks = (split_queries(q, n_chunks), split_queries(weights, n_chunks), split_queries(q_segment_ids, n_chunks))
-    return merge_queries(jax.lax.map(chunk, (*blocks, starts)))
+        n = q_.shape[1] // chunk_len
+        starts = first + jnp.arange(n) * chunk_len  # each block's causal offset
+        return merge_queries(jax.lax.map(chunk, (split_queries(q_, n), split_queries(w_, n),
+                                                 split_queries(seg_, n), starts)))
+
+    causal_self = isinstance(q_offset, int) and q_offset == 0 and q.shape[1] == k.shape[1]
+    bands = _causal_bands(n_chunks) if causal_self else 1
+    band_len = q.shape[1] // bands
+    picked = []
+    for band in range(bands):  # static key lengths: a band's queries see no key past its last query
+        q_rows, end = slice(band * band_len, (band + 1) * band_len), (band + 1) * band_len if causal_self else None
+        picked.append(blocks_over(k[:, :end], k_segment_ids[:, :end], q[:, q_rows], weights[:, q_rows],
+                                  q_segment_ids[:, q_rows], band * band_len))
+    return jnp.concatenate(picked, axis=1)

@@ -30,14 +30,28 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
 
 
+def experts_gathered(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each of the T*A assignments with its own expert's weights, gathered: for a handful of tokens (a decode
+    step) this reads only the chosen experts' weights, with no sort, no padded blocks and no loop."""
+    dtype = x.dtype
+    take = lambda name: experts[name].astype(dtype)[expert_ids]  # noqa: E731  [T, A, ...]
+    gate = jnp.einsum("TD,TADF->TAF", x, take("gate_proj"))
+    up = jnp.einsum("TD,TADF->TAF", x, take("up_proj"))
+    out = jnp.einsum("TAF,TAFD->TAD", jax.nn.silu(gate) * up, take("down_proj"))
+    return jnp.einsum("TAD,TA->TD", out, weights.astype(dtype))
+
+
 def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                    platform: str | None = None) -> jax.Array:
     """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
-    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`.
+    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`;
+    with no more assignments than experts (decode steps) each assignment gathers its expert's weights.
     `platform` is the one compiled for (default: the default backend)."""
+    n_tokens, top_k = expert_ids.shape
+    if n_tokens * top_k <= experts["gate_proj"].shape[0]:
+        return experts_gathered(experts, x, expert_ids, weights)
     if (platform or jax.default_backend()) == "cpu":
         return experts_blocked(experts, x, expert_ids, weights)
-    n_tokens, top_k = expert_ids.shape
     n_experts = experts["gate_proj"].shape[0]
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)

@@ -275,10 +275,25 @@ def test_grouped_expert_layouts_equal_the_reference(block):
     blocked = grad(lambda ex, xx, ww: loss(lambda *z: dispatch.experts_blocked(*z, block=block), ex, xx, ww))(
         experts, x, w)
     grouped = grad(lambda ex, xx, ww: loss(grouped_ragged, ex, xx, ww))(experts, x, w)
-    for got in (blocked, grouped):
+    gathered = grad(lambda ex, xx, ww: loss(dispatch.experts_gathered, ex, xx, ww))(experts, x, w)
+    for got in (blocked, grouped, gathered):
         np.testing.assert_allclose(got[0], reference[0], rtol=1e-5)
         for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(reference[1])):
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_dispatch_gathers_expert_weights_only_when_there_are_no_more_assignments_than_experts():
+    from glm5_jax.model import experts as dispatch
+
+    e, d, f, a = 8, 4, 3, 2
+    experts = {"gate_proj": jnp.ones((e, d, f)), "up_proj": jnp.ones((e, d, f)), "down_proj": jnp.ones((e, f, d))}
+
+    def ops(tokens):
+        args = (experts, jnp.ones((tokens, d)), jnp.zeros((tokens, a), jnp.int32), jnp.ones((tokens, a)))
+        return str(jax.make_jaxpr(lambda *z: dispatch.experts_ragged(*z, platform="cpu"))(*args))
+
+    assert " sort[" not in ops(e // a) and "while" not in ops(e // a)  # a decode step: gathered weights
+    assert " sort[" in ops(e // a + 1)  # more assignments than experts: the sorted, blocked dispatch
 
 
 def test_auto_attention_backend_picks_dense_only_for_few_keys_per_selection_and_bounded_scores():

@@ -20,7 +20,7 @@ first length at which HF does not fit, the growth of time per token from the sho
 per side, and the issue-17 targets.
 
   PYTHONPATH=. python benchmarks/long_context_vs_hf.py [--seqs 2048 4096 8192 16384 32768] [--mem-cap-gib 20]
-(default lengths 2048 4096, two timed steps each: 8 minutes on 2 idle CPU cores)
+(default lengths 2048 4096, two timed steps each: 5 minutes on 2 idle CPU cores)
 """
 
 from __future__ import annotations

@@ -181,7 +181,8 @@ def hf_extrapolated(rows: list[dict], seq: int) -> dict | None:
            "hf_ms_per_token_estimate": round(t0 + slope * (seq - s0), 3)}
     jax_row = next((r for r in rows if r["seq"] == seq and r["glm5_jax"].get("status") == "ok"), None)
     if jax_row is not None:
-        out["ratio_tokens_per_s_estimate"] = round(out["hf_ms_per_token_estimate"] / jax_row["glm5_jax"]["ms_per_token"], 3)
+        jax_ms = jax_row["glm5_jax"]["ms_per_token"]
+        out["ratio_tokens_per_s_estimate"] = round(out["hf_ms_per_token_estimate"] / jax_ms, 3)
     return out
 
 

@@ -18,7 +18,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved, layer_norm
 from glm5_jax.model.variables import ParamModule
 from glm5_jax.model.masks import visible_keys
-from glm5_jax.model.query_chunks import merge_queries, num_query_chunks, split_queries
+from glm5_jax.model.query_chunks import map_query_chunks, num_query_chunks
 from pallas_kernels import NEG_INF
 
 INDEXER_NORM_EPS = 1e-6
@@ -96,15 +96,13 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
     width = min(topk, k.shape[1])
 
     def blocks_over(keys, key_segments, q_, w_, seg_, first):
-        def chunk(args):
-            q_c, w_c, seg_c, start = args
-            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + start), topk)
+        def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
+            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + rows_c[0, 0]),
+                                      topk)
             return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
 
-        n = q_.shape[1] // chunk_len
-        starts = first + jnp.arange(n) * chunk_len  # each block's causal offset
-        return merge_queries(jax.lax.map(chunk, (split_queries(q_, n), split_queries(w_, n),
-                                                 split_queries(seg_, n), starts)))
+        rows = first + jnp.arange(q_.shape[1])[None]
+        return map_query_chunks(chunk, q_.shape[1] // chunk_len, q_, w_, seg_, rows)
 
     causal_self = isinstance(q_offset, int) and q_offset == 0 and q.shape[1] == k.shape[1]
     bands = _causal_bands(n_chunks) if causal_self else 1

@@ -17,6 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -419,6 +420,60 @@ def group_train_step():
         state, _ = pinned(state, mesh_batch)
     assert pinned.jitted._cache_size() == 1, pinned.jitted._cache_size()
     print("PASS three pinned-sharding steps compile one executable")
+    check_wide_expert_parallel_step(train, tokens, batch)
+
+
+def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)
+        if match:
+            shapes.append(tuple(int(d) for d in match.group(1).split(",") if d))
+    return shapes
+
+
+def check_wide_expert_parallel_step(train, tokens, batch):
+    """Wide expert parallelism (`expert` 8, `fsdp` 1): every device keeps its routed expert whole, the other
+    weights are split over all 8 devices, tokens travel by all-to-all; one training step equals one device's
+    in loss and in every parameter's update, and the compiled step gathers no routed-expert weight. The shared
+    expert is made twice as wide as a routed one so the two are told apart by shape in the HLO (and so is F from every other dim)."""
+    import optax
+
+    from glm5_jax.model.transformer import init
+    from glm5_jax.parallel.sharding import init_opt_state_sharded, param_specs, shard_params
+    from glm5_jax.train.step import TrainState, init_train_state, make_train_step
+
+    distinct = dict(moe_intermediate_size=24, n_shared_experts=2)  # F = 24 is no other weight's dim
+    single_config = tiny(moe_backend="ragged", **distinct)
+    wide_config = tiny(moe_backend="ep", **distinct)
+    params = jax.device_get(jax.jit(lambda key: init(single_config, key))(jax.random.key(0)))
+    tx = optax.sgd(1e3)
+    single_state, single_metrics = make_train_step(single_config, train, tx)(
+        init_train_state(jax.tree.map(jnp.asarray, params), tx), batch)
+
+    mesh = mesh_of(expert=8)
+    experts_spec = param_specs(params, mesh)["moe_layers"]["moe"]["experts"]
+    assert experts_spec["gate_proj"] == PartitionSpec(None, "expert", None, None), experts_spec
+    sharded = shard_params(params, mesh)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
+    step = make_train_step(wide_config, train, tx, mesh=mesh)
+    hlo = step.jitted.trace(state, mesh_batch).lower().compile().as_text()
+    mesh_state, mesh_metrics = step(state, mesh_batch)
+
+    close(mesh_metrics["loss"], single_metrics["loss"], "wide EP loss")
+    for (path, old), new, want in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                      jax.tree.leaves(mesh_state.params), jax.tree.leaves(single_state.params)):
+        close(np.asarray(new) - old, np.asarray(want) - old, f"wide EP update {jax.tree_util.keystr(path)}",
+              rtol=1e-4, scaled_atol=1e-4)
+    d, f = single_config.hidden_size, single_config.moe_intermediate_size
+    gathered = [shape for shape in _all_gather_shapes(hlo) if shape[-2:] in ((d, f), (f, d))]
+    assert not gathered, f"routed-expert weights all-gathered in the wide EP step: {gathered}"
+    assert "all-to-all" in hlo, "tokens must travel to the experts by all-to-all"
+    print(f"PASS wide expert parallelism (expert=8): one training step equals the single-device step, no expert "
+          f"weight gathered (loss {float(single_metrics['loss']):.6f})")
 
 
 # ---------------------------------------------------------------------------------------------

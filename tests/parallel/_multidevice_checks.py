@@ -94,20 +94,25 @@ def moe_inputs(key):
     return params, x, jax.random.normal(k_probe, x.shape)
 
 
-def hand_kept(expert_ids: np.ndarray, shards: int, capacity: int, n_experts: int) -> np.ndarray:
-    """Per source shard (contiguous token blocks), each expert keeps its first `capacity` assignments in
-    token order; computed with loops, independently of the library's sort-based bookkeeping."""
+def hand_kept(expert_ids: np.ndarray, shards: int, expert_shards: int, rows: int, n_experts: int) -> np.ndarray:
+    """Each expert rank fills its `rows` receive rows from the sources of its expert group in rank order, each
+    source's rows for it in expert order, then token order; the rest are dropped. Computed with loops,
+    independently of the library's sort-based bookkeeping. Token shards are contiguous blocks; shard k is
+    source k % expert_shards of group k // expert_shards."""
     n_tokens, top_k = expert_ids.shape
-    per_shard = n_tokens // shards
+    per_shard, local = n_tokens // shards, n_experts // expert_shards
     kept = np.zeros(expert_ids.shape, bool)
-    for shard in range(shards):
-        used = np.zeros(n_experts, int)
-        for token in range(shard * per_shard, (shard + 1) * per_shard):
-            for slot in range(top_k):
-                expert = expert_ids[token, slot]
-                if used[expert] < capacity:
-                    kept[token, slot] = True
-                    used[expert] += 1
+    for group in range(shards // expert_shards):
+        for rank in range(expert_shards):
+            filled = 0
+            for source in range(expert_shards):
+                first = (group * expert_shards + source) * per_shard
+                for expert in range(rank * local, (rank + 1) * local):
+                    for token in range(first, first + per_shard):
+                        for slot in range(top_k):
+                            if expert_ids[token, slot] == expert:
+                                kept[token, slot] = filled < rows
+                                filled += 1
     return kept
 
 
@@ -158,9 +163,9 @@ def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: 
         shards = token_shards(mesh)
         per_shard = x.shape[0] * x.shape[1] // shards
         top_k, n_experts = config.num_experts_per_tok, config.n_routed_experts
-        capacity = min(per_shard, math.ceil(capacity_factor * per_shard * top_k / n_experts))
+        rows = math.ceil(capacity_factor * per_shard * top_k)
         ids = jax.jit(lambda p, x: route(p, x.reshape(-1, x.shape[-1]), config)[0])(params, x)
-        kept = hand_kept(np.asarray(ids), shards, capacity, n_experts)
+        kept = hand_kept(np.asarray(ids), shards, mesh.shape["expert"], rows, n_experts)
         want_dropped = int((~kept).sum())
         assert want_dropped > 0, f"{name}: the case must force drops"
         want_out, _, want_grads = hand_moe(params, x, probe, jnp.asarray(kept))
@@ -180,53 +185,44 @@ def reference_backend(inputs):
 
 
 def check_dropped_tokens_get_shared_expert_only(mesh_sizes: dict, inputs):
-    """Every token picks experts 0 and 1 (routing replay); with capacity 1 per shard only each shard's first
-    token keeps them, every other token's output must be exactly the shared expert's."""
-    config = tiny(moe_backend="ep", moe_capacity_factor=0.5)
+    """Every token picks experts 0 and 1 (routing replay), both on expert rank 0. With one receive row per device
+    only the first row of each expert group's first source fits: its first token keeps expert 0; every other
+    assignment is dropped, and every other token's output must be exactly the shared expert's."""
     mesh = mesh_of(**mesh_sizes)
+    shards, expert_shards = token_shards(mesh), mesh.shape["expert"]
     params, x, _ = inputs
     b, s, d = x.shape
+    per_shard = b * s // shards
+    config = tiny(moe_backend="ep", moe_capacity_factor=1 / (2 * per_shard))
+    assert math.ceil(config.moe_capacity_factor * per_shard * 2) == 1
     choices = jnp.broadcast_to(jnp.arange(config.num_experts_per_tok, dtype=jnp.int32), (b, s, 2))
     out, aux = jax.jit(lambda p, x: moe_block(p, x, jnp.ones((b, s), bool), config, choices, mesh=mesh))(params, x)
-    shards = token_shards(mesh)
-    per_shard = b * s // shards
-    capacity = min(per_shard, math.ceil(0.5 * per_shard * 2 / config.n_routed_experts))
-    assert capacity == 1
     shared = params["shared_experts"]
     flat, out_flat = x.reshape(b * s, d), np.asarray(out).reshape(b * s, d)
     shared_out = np.asarray(jax.jit(swiglu)(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
                                             shared["down_proj"]["kernel"]))
     first = np.zeros(b * s, bool)
-    first[::per_shard] = True
+    first[::per_shard * expert_shards] = True
     close(out_flat[~first], shared_out[~first], "dropped tokens = shared expert", scaled_atol=1e-5)
     assert np.abs(out_flat[first] - shared_out[first]).max() > 1e-3, "kept tokens must get their experts"
-    assert int(aux["dropped_assignments"]) == shards * (per_shard - 1) * 2
+    assert int(aux["dropped_assignments"]) == b * s * 2 - first.sum()
     print(f"PASS dropped tokens get only the shared expert on {mesh_sizes}")
 
 
 EP_MESHES = [dict(expert=8), dict(data=2, expert=4), dict(data=2, expert=2, tensor=2)]
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
-    """jax.lax.ragged_all_to_all's documented semantics (one slice per peer) built from all_to_all, which
-    XLA:CPU runs: lets the ragged transport's offsets be checked here."""
-    assert axis_index_groups is None
-    peers = jax.lax.axis_size(axis_name)
-    rows = operand.shape[0]
-    position = jnp.arange(rows)
-    source = input_offsets[:, None] + position[None, :]
-    chunks = jnp.where((position[None, :] < send_sizes[:, None])[..., None],
-                       operand[jnp.clip(source, 0, rows - 1)], 0)
-    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, rows, D] by source
-    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    out_position = jnp.arange(output.shape[0])
-    result = output
-    for peer in range(peers):
-        local = out_position - where[peer]
-        hit = (local >= 0) & (local < recv_sizes[peer])
-        result = jnp.where(hit[:, None], received[peer][jnp.clip(local, 0, rows - 1)], result)
-    return result
+def emulated_ragged_all_to_all(largest_chunk):
+    """jax.lax.ragged_all_to_all for XLA:CPU, which lacks it: the library's padded exchange, which follows the
+    collective's documented semantics, so the ragged transport's calls are checked here."""
+    from glm5_jax.model.expert_parallel import padded_ragged_all_to_all
+
+    def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+               axis_index_groups=None):
+        assert axis_index_groups is None
+        return padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                        axis_name=axis_name, largest_chunk=largest_chunk)
+    return ragged
 
 
 def group_ep():
@@ -237,7 +233,7 @@ def group_ep():
         check_ep(sizes, 0.6, inputs, None)
     check_dropped_tokens_get_shared_expert_only(dict(data=2, expert=4), inputs)
     # The ragged transport, with XLA:CPU's missing collective emulated from its documented semantics.
-    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
+    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all(largest_chunk=4 * 16 * 2)  # every row of a shard
     check_ep(dict(expert=8), 0.6, inputs, None, transport="ragged")
     check_ep(dict(data=2, expert=2, tensor=2), 0.0, inputs, reference, transport="ragged")
 

@@ -1,6 +1,7 @@
 """The routed experts' grouped matmuls are chosen by the platform compiled for: the MoE dispatches (`ragged`
 and `ep`), compiled for a TPU mesh that libtpu describes on this CPU host, run the Mosaic grouped-matmul
-kernels forward and backward and no `ragged_dot`; compiled for CPU they keep the blocked layout."""
+kernels forward and backward and no `ragged_dot`; for an H100 mesh (the CUDA plugin's compile-only devices)
+the Triton ones; compiled for CPU they keep the blocked layout."""
 
 from __future__ import annotations
 
@@ -53,6 +54,26 @@ def test_moe_dispatch_for_tpu_runs_the_grouped_matmul_kernels(backend):
     kernels = text.count('custom_call_target="tpu_custom_call"')
     assert kernels == 9, kernels
     assert "%ragged-dot" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("backend", ["ragged", "ep"])
+def test_moe_dispatch_for_gpu_runs_the_grouped_matmul_kernels(backend):
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA plugin: the GPU compiler and Triton)
+    except ImportError:
+        pytest.skip("the CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt) is not installed")
+    from jax.experimental import topologies
+
+    from pallas_kernels.gpu_targets import gpu_target_config
+
+    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config("h100"),
+                                           topology="1x1x4").devices
+    text = _compiled_moe_step(backend, make_mesh(MeshConfig(expert=2, fsdp=2), devices))
+    kernels = text.count('custom_call_target="__gpu$xla.gpu.triton"')
+    assert kernels == 9, kernels
+    assert "ragged-dot" not in text
 
 
 def test_moe_dispatch_for_cpu_keeps_the_blocked_layout():

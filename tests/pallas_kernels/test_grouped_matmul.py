@@ -1,6 +1,7 @@
-"""grouped_matmul: values and both gradients equal `ragged_dot`'s (interpret mode on CPU), with empty groups,
-rows past sum(group_sizes), a device's share of the groups (group_offset) and shapes that are not multiples
-of the tiles; the tiling choice; and the TPU kernels compiled ahead of time at GLM-5's expert shapes."""
+"""grouped_matmul: values and both gradients of the TPU (Mosaic) and GPU (Triton) kernels equal `ragged_dot`'s
+(interpret mode on CPU), with empty groups, rows past sum(group_sizes), a device's share of the groups
+(group_offset) and shapes that are not multiples of the tiles; the tiling choice; and the kernels compiled
+ahead of time at GLM-5's expert shapes for TPU v5p / v6e and for H100 / H200."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes
 
 from pallas_kernels import grouped_matmul
+from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
 from pallas_kernels.tpu_grouped_matmul import VMEM_BUDGET, _vmem_bytes, choose_tiling
 
@@ -49,11 +51,12 @@ def _as_f32(x):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tpu_kernels_equal_ragged_dot_in_values_and_both_gradients(case, dtype):
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_kernels_equal_ragged_dot_in_values_and_both_gradients(platform, case, dtype):
     lhs, rhs, sizes, offset, d_out = _inputs(case, dtype)
     tiling = CASES[case][5]
-    kernel = lambda a, b: grouped_matmul(a, b, sizes, group_offset=offset, platform="tpu", interpret=True,  # noqa: E731
-                                         tiling=tiling)
+    kernel = lambda a, b: grouped_matmul(a, b, sizes, group_offset=offset, platform=platform,  # noqa: E731
+                                         interpret=True, tiling=tiling)
     reference = lambda a, b: grouped_matmul_reference(a, b, sizes, group_offset=offset)  # noqa: E731
     got = jax.jit(lambda a, b, d: _value_and_grads(kernel, a, b, d))(lhs, rhs, d_out)
     want = jax.jit(lambda a, b, d: _value_and_grads(reference, a, b, d))(lhs, rhs, d_out)
@@ -81,9 +84,10 @@ def test_reference_with_group_offset_is_each_rows_own_group():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_group_offset_may_be_traced():
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_group_offset_may_be_traced(platform):
     lhs, rhs, sizes, offset, _ = _inputs("group_offset", jnp.float32)
-    run = jax.jit(lambda o: grouped_matmul(lhs, rhs, sizes, group_offset=o, platform="tpu", interpret=True,
+    run = jax.jit(lambda o: grouped_matmul(lhs, rhs, sizes, group_offset=o, platform=platform, interpret=True,
                                            tiling=(128, 128, 128)))
     np.testing.assert_allclose(run(jnp.int32(offset)), grouped_matmul_reference(lhs, rhs, sizes, group_offset=offset),
                                rtol=2e-5, atol=2e-5)
@@ -100,6 +104,12 @@ def test_glm5_tiling_fits_vmem_and_bounds_the_row_tiles_groups_add():
     assert choose_tiling(m, k, n, groups, 2) == (256, 1024, 1024)
     assert choose_tiling(m, k, n, 1, 2) == (512, 1024, 1024)  # MaxText's tiles when nothing shrinks them
     assert choose_tiling(128, 256, 384, 8, 2) == (128, 256, 384)  # small dims: one tile each
+
+
+def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims():
+    assert choose_gpu_tiling(16384, 6144, 2048) == (128, 64, 128)
+    assert choose_gpu_tiling(20, 5, 40) == (32, 16, 64)
+    assert choose_gpu_tiling(16384, 6144, 2048, (100, 300, 64)) == (64, 256, 64)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -124,12 +134,12 @@ def test_invalid_inputs_are_refused_naming_the_field(kwargs, message):
 GLM5_EXPERTS = dict(m=16384, k=6144, n=2048, groups=32)
 
 
-def glm5_forward_and_gradients(dtype):
+def glm5_forward_and_gradients(dtype, platform):
     """(function of lhs, rhs, group_sizes, d_out -> out, d_lhs, d_rhs; its abstract arguments)."""
     m, k, n, g = GLM5_EXPERTS["m"], GLM5_EXPERTS["k"], GLM5_EXPERTS["n"], GLM5_EXPERTS["groups"]
 
     def forward_and_gradients(lhs, rhs, sizes, d_out):
-        return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform="tpu"), lhs, rhs, d_out)
+        return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform=platform), lhs, rhs, d_out)
 
     sds = jax.ShapeDtypeStruct
     return forward_and_gradients, (sds((m, k), dtype), sds((g, k, n), dtype), sds((g,), jnp.int32),
@@ -152,7 +162,7 @@ def declared_kernel_flops(hlo_text: str) -> list[tuple[str, int]]:
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("chip", CHIPS)
 def test_tpu_kernels_compile_at_glm5_expert_shapes(chip):
-    fn, args = glm5_forward_and_gradients(jnp.bfloat16)
+    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu")
     compiled = compile_for(fn, args, chip)
     text = compiled.as_text()
     vmem = mosaic_vmem_bytes(compiled)
@@ -164,3 +174,36 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip):
                                            ("transpose(jvp(jit(tgmm)))", 2 * m * k * n)]
     assert not re.search(r"%ragged-dot", text)  # XLA:TPU's ragged-dot custom calls and their metadata
     assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)  # no [G, M, ...] expansion
+
+
+def _gpu_sharding(gpu: str):
+    """Replicated sharding on one compile-only device described by `gpu`'s target config (CUDA plugin)."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA plugin: the GPU compiler and Triton)
+    except ImportError:
+        pytest.skip("the CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt) is not installed")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pallas_kernels.gpu_targets import gpu_target_config
+
+    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
+                                           topology="1x1x1").devices
+    return NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_gpu_kernels_compile_at_glm5_expert_shapes(gpu, dtype):
+    fn, args = glm5_forward_and_gradients(dtype, "gpu")
+    sharding = _gpu_sharding(gpu)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    text = jax.jit(fn).trace(*args).lower().compile().as_text()
+    kernels = sorted(re.search(r'op_name="[^"]*/([^"/]+)/pallas_call"', line).group(1)
+                     for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line)
+    assert kernels == ["jvp(grouped_matmul)", "transpose(jvp(grouped_matmul_input_grad))",
+                       "transpose(jvp(grouped_matmul_weight_grad))"], kernels
+    m, g = GLM5_EXPERTS["m"], GLM5_EXPERTS["groups"]
+    assert "ragged-dot" not in text
+    assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)

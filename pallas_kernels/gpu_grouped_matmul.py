@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels._common import dot_nn, dot_nt, dot_tn, next_power_of_two, pad_axis, round_up, triton_params
-from pallas_kernels.tpu_grouped_matmul import held_rows_mask
+from pallas_kernels._grouped_rows import held_rows_mask
 
 GpuTiling = tuple[int, int, int]
 

@@ -61,8 +61,11 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling) -> None:
                          "group held here) when rhs holds a share of the groups")
     if held > total:
         raise ValueError(f"rhs holds {held} groups, more than group_sizes' {total}")
-    if group_offset is not None and jnp.ndim(group_offset) != 0:
-        raise ValueError(f"group_offset must be a scalar; got shape {jnp.shape(group_offset)}")
+    if group_offset is not None and (isinstance(group_offset, bool) or jnp.ndim(group_offset) != 0):
+        raise ValueError(f"group_offset must be an int or an integer scalar array; got {group_offset!r}")
+    if isinstance(group_offset, int) and not 0 <= group_offset <= total - held:
+        raise ValueError(f"group_offset={group_offset} is out of range: rhs holds {held} of {total} groups, so it "
+                         f"must be in [0, {total - held}]")
     if tiling is not None and (len(tiling) != 3 or not all(isinstance(t, int) and t > 0 for t in tiling)):
         raise ValueError(f"tiling must be None or three positive ints (rows, K, N tile); got {tiling!r}")
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 
 from pallas_kernels._common import pad_axis, round_up
+from pallas_kernels._grouped_rows import held_rows_mask
 
 Tiling = tuple[int, int, int]
 
@@ -44,37 +45,27 @@ def _vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
     return max(forward, input_grad, weight_grad)
 
 
-def choose_tiling(m: int, k: int, n: int, groups: int, itemsize: int, limit: Tiling | None = None) -> Tiling:
+def choose_tiling(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Tiling | None = None) -> Tiling:
     """(row tile, K tile, N tile) for rows M, K and N already padded to multiples of LANE.
 
-    Rows: every group that starts inside a row tile costs one extra tile pass (megablox computes the tile
-    once per group in it), so the row tile halves from the limit (down to LANE) until those at most G - 1
-    extra passes are at most half the tiles. K and N: the largest divisors up to the limit, then the larger
-    of the two halves until all three kernels fit the VMEM budget."""
-    max_tm, max_tk, max_tn = MAX_TILING if limit is None else limit
+    A given `tiling` is used as it is, clamped to the dims (K and N: the largest divisors up to it). Otherwise,
+    from MAX_TILING: every group that starts inside a row tile costs one extra tile pass (megablox computes
+    the tile once per group in it), so the row tile halves (down to LANE) until those at most G - 1 extra
+    passes are at most half the tiles; K and N take the largest divisors up to their limits, then the larger
+    of the two steps down to its next divisor until all three kernels fit the VMEM budget."""
+    max_tm, max_tk, max_tn = MAX_TILING if tiling is None else tiling
     tm = max(LANE, round_up(min(max_tm, m), LANE))
+    tk, tn = _divisor_tile(k, max_tk), _divisor_tile(n, max_tn)
+    if tiling is not None:
+        return tm, tk, tn
     while tm > LANE and 2 * (groups - 1) > m // tm:
         tm = max(LANE, tm // 2 // LANE * LANE)
-    tk, tn = _divisor_tile(k, max_tk), _divisor_tile(n, max_tn)
-    while _vmem_bytes(tm, tk, tn, itemsize) > VMEM_BUDGET:
-        if max(tk, tn) > LANE:
-            if tk >= tn:
-                tk = _divisor_tile(k, tk - LANE)
-            else:
-                tn = _divisor_tile(n, tn - LANE)
-        elif tm > LANE:
-            tm = max(LANE, tm // 2 // LANE * LANE)
+    while _vmem_bytes(tm, tk, tn, itemsize) > VMEM_BUDGET and max(tk, tn) > LANE:
+        if tk >= tn:
+            tk = _divisor_tile(k, tk - LANE)
         else:
-            break
+            tn = _divisor_tile(n, tn - LANE)
     return tm, tk, tn
-
-
-def held_rows_mask(group_sizes: jax.Array, group_offset: jax.Array, held: int, rows: int) -> jax.Array:
-    """[rows, 1] 1 for the rows of groups [group_offset, group_offset + held), 0 elsewhere (also past the sum)."""
-    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
-    start, end = bounds[group_offset], bounds[group_offset + held]
-    row = jnp.arange(rows, dtype=jnp.int32)
-    return ((row >= start) & (row < end))[:, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

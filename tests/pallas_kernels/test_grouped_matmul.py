@@ -104,6 +104,8 @@ def test_glm5_tiling_fits_vmem_and_bounds_the_row_tiles_groups_add():
     assert choose_tiling(m, k, n, groups, 2) == (256, 1024, 1024)
     assert choose_tiling(m, k, n, 1, 2) == (512, 1024, 1024)  # MaxText's tiles when nothing shrinks them
     assert choose_tiling(128, 256, 384, 8, 2) == (128, 256, 384)  # small dims: one tile each
+    assert choose_tiling(m, k, n, groups, 4, (512, 1024, 1024)) == (512, 1024, 1024)  # given: used as it is
+    assert choose_tiling(256, 384, 640, groups, 2, (512, 1024, 256)) == (256, 384, 128)  # clamped to divisors
 
 
 def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims():
@@ -122,7 +124,9 @@ def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims():
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), platform="npu"), "platform must be one of"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), tiling=(128, 0, 128)), "tiling must be"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_offset=jnp.zeros((1,), jnp.int32)),
-     "group_offset must be a scalar"),
+     "group_offset must be an int or an integer scalar"),
+    (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_sizes=jnp.zeros((3,), jnp.int32), group_offset=2),
+     r"group_offset=2 is out of range: rhs holds 2 of 3 groups, so it must be in \[0, 1\]"),
 ])
 def test_invalid_inputs_are_refused_naming_the_field(kwargs, message):
     kwargs.setdefault("group_sizes", jnp.zeros((kwargs["rhs"].shape[0],), jnp.int32))

@@ -64,7 +64,7 @@ def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: 
     """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
     On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `grouped_swiglu`'s kernels;
     with no more assignments than experts (decode steps) each assignment gathers its expert's weights.
-    `platform` is the one compiled for (default: the default backend)."""
+    `platform` is the one compiled for (default: see `compiled_platform`)."""
     n_tokens, top_k = expert_ids.shape
     if n_tokens * top_k <= experts["gate_proj"].shape[0]:
         return experts_gathered(experts, x, expert_ids, weights)

@@ -33,6 +33,9 @@ GpuTiling = tuple[int, int, int]
 MAX_TILING: GpuTiling = (128, 64, 128)
 MIN_TILE = 16
 NUM_WARPS = 8
+# Shared memory one program may use on sm_90 (H100 / H200: 227 KiB opt-in per block).
+SHARED_MEMORY_BYTES = 232448
+MAX_STAGES = 3
 
 
 def _tile(dim: int, limit: int) -> int:
@@ -40,15 +43,31 @@ def _tile(dim: int, limit: int) -> int:
     return max(MIN_TILE, min(1 << (limit.bit_length() - 1), next_power_of_two(dim)))
 
 
-def choose_gpu_tiling(m: int, k: int, n: int, limit: GpuTiling | None = None) -> GpuTiling:
-    """Power-of-two (row, K, N) tiles: the limit's (default MAX_TILING), shrunk to small dims."""
+def _shared_memory_bytes(bm: int, bk: int, bn: int, itemsize: int) -> int:
+    """The most one stage of input tiles and the fp32 output tile take among the three kernels: forward
+    [bm,bk]x[bk,bn] -> [bm,bn], input gradient with bk and bn swapped, weight gradient [bm,bk]^T[bm,bn] -> [bk,bn]."""
+    forward = (bm * bk + bk * bn) * itemsize + 4 * bm * bn
+    input_grad = (bm * bn + bk * bn) * itemsize + 4 * bm * bk
+    weight_grad = (bm * bk + bm * bn) * itemsize + 4 * bk * bn
+    return max(forward, input_grad, weight_grad)
+
+
+def choose_gpu_tiling(m: int, k: int, n: int, itemsize: int, limit: GpuTiling | None = None) -> GpuTiling:
+    """Power-of-two (row, K, N) tiles: the limit's (default MAX_TILING), shrunk to small dims, then the
+    largest halved until a stage of every kernel fits in shared memory."""
     max_m, max_k, max_n = MAX_TILING if limit is None else limit
-    return _tile(m, max_m), _tile(k, max_k), _tile(n, max_n)
+    tiles = [_tile(m, max_m), _tile(k, max_k), _tile(n, max_n)]
+    while _shared_memory_bytes(*tiles, itemsize) > SHARED_MEMORY_BYTES and max(tiles) > MIN_TILE:
+        largest = tiles.index(max(tiles))
+        tiles[largest] //= 2
+    return tuple(tiles)
 
 
-def _stages(itemsize: int) -> int:
-    # Software-pipelined copies of the two input tiles: three fit sm_90's shared memory in bf16, two in fp32.
-    return 3 if itemsize <= 2 else 2
+def _stages(input_tile_elements: int, out_tile_elements: int, itemsize: int) -> int:
+    """Software-pipelined copies of the two input tiles that fit in shared memory beside the fp32 output tile
+    (staged there on its way out): 3 in bf16 and 2 in fp32 at the default tiles."""
+    free = SHARED_MEMORY_BYTES - 4 * out_tile_elements
+    return max(1, min(MAX_STAGES, free // (input_tile_elements * itemsize)))
 
 
 def _work_tiles_kernel(group_ids_ref, m_tile_ids_ref, bounds_ref, count_ref, offset_ref, lhs_ref, rhs_ref, out_ref,
@@ -91,7 +110,8 @@ def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, t
         grid=(n // bn, group_ids.shape[0]),
         name="grouped_matmul_input_grad" if transpose_rhs else "grouped_matmul",
         interpret=interpret,
-        compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=_stages(lhs.dtype.itemsize)),
+        compiler_params=triton_params(num_warps=NUM_WARPS,
+                                      num_stages=_stages(bm * bk + bk * bn, bm * bn, lhs.dtype.itemsize)),
     )(group_ids, m_tile_ids, bounds.astype(jnp.int32), count.astype(jnp.int32)[None], group_offset[None], lhs, rhs)
     return jnp.where(held_rows_mask(group_sizes, group_offset, held, m), out, 0)
 
@@ -126,7 +146,8 @@ def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTi
         name="grouped_matmul_weight_grad",
         out_specs=pl.BlockSpec((None, bk, bn), lambda g, k_i, n_i: (g, k_i, n_i)),
         interpret=interpret,
-        compiler_params=triton_params(num_warps=NUM_WARPS, num_stages=_stages(lhs.dtype.itemsize)),
+        compiler_params=triton_params(num_warps=NUM_WARPS,
+                                      num_stages=_stages(bm * bk + bm * bn, bk * bn, lhs.dtype.itemsize)),
     )(bounds, group_offset[None], lhs, d_out)
 
 
@@ -156,7 +177,7 @@ def gpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
     """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`)."""
     m, k = lhs.shape
     n = rhs.shape[2]
-    bm, bk, bn = choose_gpu_tiling(m, k, n, tiling)
+    bm, bk, bn = choose_gpu_tiling(m, k, n, lhs.dtype.itemsize, tiling)
     # The input gradient tiles K as its output (by bk) and N as its contraction (by bn): both divide the pads.
     k_pad, n_pad = round_up(k, max(bk, bn)), round_up(n, max(bk, bn))
     lhs = pad_axis(pad_axis(lhs, 0, round_up(m, bm)), 1, k_pad)

@@ -84,11 +84,11 @@ def _grouped_bwd(tiling, interpret, residuals, d_out):
     tm, tk, tn = tiling
     # d_lhs = d_out [M, N] x rhs[g]^T: N is contracted, K is the output's (tiles swapped).
     d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, (tm, tn, tk), group_offset, transpose_rhs=True,
-                         interpret=interpret)
+                interpret=interpret)
     d_lhs = jnp.where(held_rows_mask(group_sizes, group_offset, rhs.shape[0], lhs.shape[0]), d_lhs, 0)
     # d_rhs[g] = lhs[rows of g]^T x d_out[rows of g], accumulated in fp32 over the group's row tiles.
-    d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiling, group_offset,
-                          rhs.shape[0], interpret=interpret)
+    d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiling, group_offset, rhs.shape[0],
+                 interpret=interpret)
     return d_lhs, d_rhs, None, None
 
 

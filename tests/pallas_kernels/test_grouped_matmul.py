@@ -108,10 +108,12 @@ def test_glm5_tiling_fits_vmem_and_bounds_the_row_tiles_groups_add():
     assert choose_tiling(256, 384, 640, groups, 2, (512, 1024, 256)) == (256, 384, 128)  # clamped to divisors
 
 
-def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims():
-    assert choose_gpu_tiling(16384, 6144, 2048) == (128, 64, 128)
-    assert choose_gpu_tiling(20, 5, 40) == (32, 16, 64)
-    assert choose_gpu_tiling(16384, 6144, 2048, (100, 300, 64)) == (64, 256, 64)
+def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims_and_shared_memory():
+    assert choose_gpu_tiling(16384, 6144, 2048, 2) == (128, 64, 128)
+    assert choose_gpu_tiling(20, 5, 40, 2) == (32, 16, 64)
+    assert choose_gpu_tiling(16384, 6144, 2048, 2, (100, 300, 64)) == (64, 256, 64)
+    # fp32 [256, 128] x [128, 128] tiles with their fp32 output exceed sm_90's 227 KiB: the row tile halves.
+    assert choose_gpu_tiling(16384, 6144, 2048, 4, (256, 128, 128)) == (128, 128, 128)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -155,7 +155,7 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
         return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
     order = jnp.argsort(expert, stable=True)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
-    out_sorted = grouped_swiglu(experts, recv[order], group_sizes)
+    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, platform)
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)
     return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)

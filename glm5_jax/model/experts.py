@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from pallas_kernels.grouped_matmul import grouped_matmul
@@ -43,8 +44,8 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
     matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform=platform)  # noqa: E731
-    gate = matmul(x_sorted, experts["gate_proj"])
-    up = matmul(x_sorted, experts["up_proj"])
+    gate = checkpoint_name(matmul(x_sorted, experts["gate_proj"]), "expert_gate")  # remat "full_keep_experts"
+    up = checkpoint_name(matmul(x_sorted, experts["up_proj"]), "expert_up")
     return matmul(jax.nn.silu(gate) * up, experts["down_proj"])
 
 

@@ -81,3 +81,27 @@ def test_moe_dispatch_for_cpu_keeps_the_blocked_layout():
     text = _compiled_moe_step("ragged", mesh)
     assert "tpu_custom_call" not in text and "ragged-dot" not in text
     assert " while(" in text  # the blocked layout's loop over expert blocks
+
+
+def test_remat_policy_full_keep_experts_saves_the_grouped_matmul_outputs(capsys):
+    """Under `full_keep_experts` a rematerialised layer keeps the routed experts' gate and up projections, so
+    its backward recomputes none of their grouped matmuls; under `full` it keeps neither."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from glm5_jax.config import REMAT_POLICIES
+    from glm5_jax.model.experts import grouped_swiglu
+
+    experts = nnx.to_pure_dict(nnx.state(MoE(CONFIG, nnx.Rngs(0), jnp.float32)))["experts"]
+    rows = jax.random.normal(jax.random.key(1), (48, CONFIG.hidden_size))
+    group_sizes = jnp.array([6] * 8, jnp.int32)
+
+    def saved(policy):
+        fn = jax.checkpoint(lambda e, x: grouped_swiglu(e, x, group_sizes, "cpu").sum(),
+                            policy=REMAT_POLICIES[policy])
+        capsys.readouterr()
+        print_saved_residuals(fn, experts, rows)
+        return capsys.readouterr().out.splitlines()
+
+    kept = [note for note in saved("full_keep_experts") if "expert_gate" in note or "expert_up" in note]
+    assert len(kept) == 2, saved("full_keep_experts")
+    assert not [note for note in saved("full") if "expert_gate" in note or "expert_up" in note]

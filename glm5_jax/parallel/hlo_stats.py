@@ -51,6 +51,7 @@ KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call
 # Frontend attributes a kernel without a backend-config cost declares its cost with (flops, bytes, transcendentals).
 KERNEL_COST_ATTRIBUTES = ("pallas_flops", "pallas_bytes_accessed", "pallas_transcendentals")
 INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
+COMBINED_NAMES_SHOWN = 3  # sources named for an op XLA combined from several
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -278,14 +279,24 @@ _NO_METADATA = "(no metadata)"  # e.g. a fusion's root: it takes the fusion inst
 _WRAPPERS = {"while", "body", "cond", "closed_call", "remat", "rematted_computation", "branch_0_fun", "branch_1_fun"}
 
 
+def _clean_op_name(op_name: str) -> str:
+    parts = [p for p in op_name.split("/")
+             if p not in _WRAPPERS and not p.startswith(("jit(", "pjit(", "jvp(", "transpose(", "checkpoint"))]
+    return "/".join(parts) or op_name
+
+
 def _source(inst: _Instruction) -> str:
-    """The JAX operation an instruction came from (its `op_name` metadata without jit/transpose wrappers)."""
+    """The JAX operation an instruction came from (its `op_name` metadata without jit/transpose wrappers).
+    XLA names an op it combined from several `(name1:name2:...)`: the first few are kept."""
     match = _OP_NAME.search(inst.rest)
     if not match:
         return _NO_METADATA
-    parts = [p for p in match.group(1).split("/")
-             if p not in _WRAPPERS and not p.startswith(("jit(", "pjit(", "jvp(", "transpose(", "checkpoint"))]
-    return "/".join(parts) or match.group(1)
+    op_name = match.group(1)
+    if not (op_name.startswith("(") and op_name.endswith(")")):
+        return _clean_op_name(op_name)
+    names = list(dict.fromkeys(_clean_op_name(name) for name in op_name[1:-1].split(":")))
+    more = f" +{len(names) - COMBINED_NAMES_SHOWN} more" if len(names) > COMBINED_NAMES_SHOWN else ""
+    return "combined(" + ", ".join(names[:COMBINED_NAMES_SHOWN]) + more + ")"
 
 
 def _trip_count(condition: _Computation | None) -> int | None:

@@ -120,6 +120,7 @@ def test_an_mfu_above_one_is_an_error_naming_the_uncounted_kernels():
         roofline(stats, CHIPS["v5p"], model_flops=2e12)
 
 
+@pytest.mark.slow
 def test_a_cpu_machine_starts_without_accelerator_noise():
     # jax imported first, then the package: the package still keeps jax on CPU, and neither libtpu nor the
     # CUDA plugin (both installed by the test extra) says anything.

@@ -287,14 +287,15 @@ def _clean_op_name(op_name: str) -> str:
 
 def _source(inst: _Instruction) -> str:
     """The JAX operation an instruction came from (its `op_name` metadata without jit/transpose wrappers).
-    XLA names an op it combined from several `(name1:name2:...)`: the first few are kept."""
+    XLA names an op it combined from several `common/scope/(name1:name2:...)`: the first few are kept."""
     match = _OP_NAME.search(inst.rest)
     if not match:
         return _NO_METADATA
-    op_name = match.group(1)
-    if not (op_name.startswith("(") and op_name.endswith(")")):
-        return _clean_op_name(op_name)
-    names = list(dict.fromkeys(_clean_op_name(name) for name in op_name[1:-1].split(":")))
+    combined = re.fullmatch(r"(?:(.*?)/)?\((.*)\)", match.group(1))
+    if not combined:
+        return _clean_op_name(match.group(1))
+    scope = combined.group(1) + "/" if combined.group(1) else ""
+    names = list(dict.fromkeys(_clean_op_name(scope + name) for name in combined.group(2).split(":")))
     more = f" +{len(names) - COMBINED_NAMES_SHOWN} more" if len(names) > COMBINED_NAMES_SHOWN else ""
     return "combined(" + ", ".join(names[:COMBINED_NAMES_SHOWN]) + more + ")"
 

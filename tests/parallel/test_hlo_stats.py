@@ -289,7 +289,7 @@ ENTRY %main (p: bf16[1024], out: bf16[1024], offsets: s32[2]) -> bf16[1024] {
   %ag = bf16[4096]{0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(f)/gather_op"}
   %rs = bf16[256]{0} reduce-scatter(%p), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/scatter_op"}
   %ar = bf16[1024]{0} all-reduce(%p), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/sum_op"}
-  %a2a = bf16[1024]{0} all-to-all(%p), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="(jit(f)/a2a_op:jit(f)/transpose(jvp(f))/a2a_op:jit(f)/b:c:d)"}
+  %a2a = bf16[1024]{0} all-to-all(%p), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/while/body/(a2a_op:transpose(jvp(f))/a2a_op:b:c:d)"}
   %cp = bf16[1024]{0} collective-permute(%p), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}, metadata={op_name="jit(f)/permute_op"}
   %ags = (bf16[1024]{0}, bf16[8192]{0}) all-gather-start(%p), channel_id=6, replica_groups={}, dimensions={0}, metadata={op_name="jit(f)/gather_all_op"}
   %agd = bf16[8192]{0} all-gather-done(%ags)

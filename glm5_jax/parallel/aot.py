@@ -14,6 +14,7 @@ An MFU above 100% means a counter missed work: it is an error, never a figure.
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -135,7 +136,10 @@ def roofline(stats: HloStats, chip: ChipSpec, model_flops: float) -> dict:
              "collectives": sum(collective.values())}
     bound = max(times, key=times.get)
     step_s = times[bound]
-    mfu = model_flops / (chip.peak_bf16_flops * step_s) if step_s else 0.0
+    if step_s:
+        mfu = model_flops / (chip.peak_bf16_flops * step_s)
+    else:  # nothing counted at all: any model work was missed
+        mfu = math.inf if model_flops else 0.0
     if mfu > 1.0:
         missing = (f"; Pallas kernels without a declared cost: {stats.kernels_without_cost}"
                    if stats.kernels_without_cost else "")

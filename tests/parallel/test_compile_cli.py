@@ -118,6 +118,8 @@ def test_an_mfu_above_one_is_an_error_naming_the_uncounted_kernels():
     stats.matmul_flops = 1e12
     with pytest.raises(CompileError, match="above 100%.*sparse_mla_fwd"):
         roofline(stats, CHIPS["v5p"], model_flops=2e12)
+    with pytest.raises(CompileError, match="above 100%"):  # nothing counted at all
+        roofline(_stats(), CHIPS["v5p"], model_flops=2e12)
 
 
 @pytest.mark.slow

@@ -470,8 +470,8 @@ def _instruction_totals(inst: _Instruction, comp: _Computation, computations: di
                     fused.traffic = _fusion_traffic(fused, operand_shapes)
                 traffic = fused.traffic
         elif op == "copy-start":  # returns (destination, source, context): only the destination is written
-            destination = _ARRAY.search(inst.type_text)
-            traffic = sum(_bytes(shape) for shape in operand_shapes) + _bytes(_arrays(destination.group(0), stored=True))
+            destination = _arrays(_ARRAY.search(inst.type_text).group(0), stored=True)
+            traffic = sum(_bytes(shape) for shape in operand_shapes) + _bytes(destination)
         elif op == "dynamic-slice":
             traffic = 2 * _bytes(_arrays(inst.type_text, stored=True))
         elif op == "dynamic-update-slice":

@@ -95,6 +95,24 @@ def test_ragged_dot_counts_each_row_once_not_every_group():
     assert stats.hbm_bytes == metadata + grouped
 
 
+# A cuBLAS gemm as XLA:GPU writes a dot it does not fuse: (result, workspace), dimension numbers in its config.
+CUBLAS_HLO = """
+HloModule jit_g
+
+ENTRY %main (x: bf16[4,512,1024], w: bf16[4,1024,256]) -> bf16[4,512,256] {
+  %x = bf16[4,512,1024]{2,1,0} parameter(0)
+  %w = bf16[4,1024,256]{2,1,0} parameter(1)
+  %gemm = (bf16[4,512,256]{2,1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(g)/bij,bjk->bik/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+  ROOT %out = bf16[4,512,256]{2,1,0} get-tuple-element(%gemm), index=0
+}
+"""
+
+
+def test_cublas_gemm_counts_its_contracted_dimension():
+    stats = hlo_stats(CUBLAS_HLO, num_devices=1)
+    assert stats.flops_by_source == {"bij,bjk->bik/dot_general": 2 * (4 * 512 * 256) * 1024}
+
+
 # Two Triton kernels as XLA:GPU holds them: one declaring its cost in frontend attributes, one declaring none,
 # run 3 times in a loop.
 TRITON_HLO = """

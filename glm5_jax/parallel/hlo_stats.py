@@ -177,22 +177,65 @@ def _matmul_flops(inst: _Instruction, comp: _Computation) -> float:
             return 0.0
         contracted = math.prod(lhs[0][1][d] for d in _dims(inst.rest, "lhs_contracting_dims"))
         return 2.0 * out_elements * contracted
-    # convolution: contracted size = the kernel's input features x the window taps that land on input
-    # elements. XLA:TPU writes a batched matmul as a convolution whose batch dims are spatial dims with
-    # window = lhs_dilate = batch: one tap per output there, so taps per dim are ceil(window / lhs_dilate).
-    labels = re.search(r"dim_labels=[^_]+_([^-]+)->", inst.rest)
-    if not rhs or not labels:
+    # convolution: per output element, the kernel's input features x the window taps that land on input
+    # elements (not on padding or on the holes of lhs dilation), counted exactly per spatial dim. XLA:TPU writes
+    # batched matmuls as convolutions whose extra dims are spatial: a batch dim as window = lhs_dilate = batch
+    # (one tap per output), a weight's free dim as a window over an input of size 1 padded by window - 1 on
+    # both sides (again one tap per output, where counting the window would multiply by its size).
+    labels = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", inst.rest)
+    if not lhs or not rhs or not labels:
         return 0.0
-    features = math.prod(size for letter, size in zip(labels.group(1), rhs[0][1]) if letter == "i")
-    window = re.search(r"window=\{([^}]*)\}", inst.rest)
-    taps = 1
-    if window:
-        sizes = re.search(r"size=([\dx]+)", window.group(1))
-        dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
-        sizes = [int(v) for v in sizes.group(1).split("x")] if sizes else []
-        dilate = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
-        taps = math.prod(-(-size // d) for size, d in zip(sizes, dilate))
-    return 2.0 * out_elements * features * taps
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    features = math.prod(size for letter, size in zip(rhs_labels, rhs[0][1]) if letter == "i")
+    spatial = sorted(letter for letter in out_labels if letter.isdigit())
+    window = _window(inst.rest, len(spatial))
+    out_dims, lhs_dims = out[0][1], lhs[0][1]
+    per_output_position = out_elements
+    landed = 1
+    for index, letter in enumerate(spatial):
+        out_size = out_dims[out_labels.index(letter)]
+        per_output_position //= max(out_size, 1)
+        landed *= _landed_taps(lhs_dims[lhs_labels.index(letter)], out_size,
+                               *(attribute[index] for attribute in window))
+    return 2.0 * per_output_position * features * landed
+
+
+def _window(rest: str, rank: int) -> list[list[int]]:
+    """[size, stride, pad_low, lhs_dilate, rhs_dilate] per spatial dim of a convolution's window."""
+    text = re.search(r"window=\{([^}]*)\}", rest)
+    text = text.group(1) if text else ""
+
+    def field(name: str, default: int) -> list[int]:
+        match = re.search(rf"\b{name}=([\d_x-]+)", text)
+        if not match:
+            return [default] * rank
+        return [int(part.split("_")[0]) for part in match.group(1).split("x")]
+
+    return [field("size", 1), field("stride", 1), field("pad", 0), field("lhs_dilate", 1), field("rhs_dilate", 1)]
+
+
+def _landed_taps(in_size: int, out_size: int, size: int, stride: int, pad_low: int, lhs_dilate: int,
+                 rhs_dilate: int) -> int:
+    """(output position, window tap) pairs of one spatial dim whose tap reads an input element: position
+    o * stride + k * rhs_dilate - pad_low must lie on the dilated input, 0 .. (in_size - 1) * lhs_dilate, at a
+    multiple of lhs_dilate."""
+    last = (in_size - 1) * lhs_dilate
+    pairs = 0
+    for tap in range(size):
+        offset = tap * rhs_dilate - pad_low
+        first_o = max(0, -(offset // stride))  # ceil(-offset / stride)
+        last_o = min(out_size - 1, (last - offset) // stride)
+        if last_o < first_o:
+            continue
+        if lhs_dilate == 1:
+            pairs += last_o - first_o + 1
+            continue
+        for residue in range(lhs_dilate):  # o = residue (mod lhs_dilate) lands on an element or never does
+            if (residue * stride + offset) % lhs_dilate == 0:
+                start = first_o + (residue - first_o) % lhs_dilate
+                if start <= last_o:
+                    pairs += (last_o - start) // lhs_dilate + 1
+    return pairs
 
 
 def _ragged_dot_flops(inst: _Instruction, comp: _Computation) -> float:

@@ -66,6 +66,39 @@ def test_convolution_counts_every_window_tap():
     assert hlo_stats(text, num_devices=1).matmul_flops == 2 * (2 * 8 * 14 * 14) * (3 * 3 * 3)
 
 
+def test_convolution_counts_only_taps_that_land_on_input():
+    """Padding, strides and dilation: each tap that reads padding or a hole of the lhs dilation does no work."""
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (2, 1), [(2, 1), (0, 0)], lhs_dilation=(1, 2))
+
+    x = jax.ShapeDtypeStruct((1, 2, 5, 4), jnp.float32)  # NCHW
+    w = jax.ShapeDtypeStruct((3, 2, 3, 2), jnp.float32)  # OIHW
+    text = jax.jit(conv).lower(x, w).compile().as_text()
+    assert " convolution(" in text
+    # By enumeration: H: (5 + 2 + 1 - 3) // 2 + 1 = 3 outputs, positions 2o + k - 2 in [0, 4];
+    # W: dilated input 0 .. 6 with elements at even positions, 6 outputs, positions o + k in {0, 2, 4, 6}.
+    h_pairs = sum(1 for o in range(3) for k in range(3) if 0 <= 2 * o + k - 2 <= 4)
+    w_pairs = sum(1 for o in range(6) for k in range(2) if (o + k) % 2 == 0 and o + k <= 6)
+    assert hlo_stats(text, num_devices=1).matmul_flops == 2 * (1 * 3) * 2 * h_pairs * w_pairs
+
+
+# XLA:TPU's form of `BSQ,QHK->BSHK` (GLM-5's query up-projection): the weight's head dim H = 64 is a spatial
+# dim, a window of 64 over an input of size 1 padded by 63 on both sides, so every output reads one tap.
+TPU_HEADS_AS_WINDOW_HLO = """
+HloModule jit_q
+
+ENTRY %main.1 (x.1: bf16[4096,2048,1], w.1: bf16[2048,64,256]) -> bf16[4096,64,256] {
+  %x.1 = bf16[4096,2048,1]{2,1,0} parameter(0)
+  %w.1 = bf16[2048,64,256]{2,1,0} parameter(1)
+  ROOT %convolution.1 = bf16[4096,64,256]{0,2,1} convolution(%x.1, %w.1), window={size=64 pad=63_63 rhs_reversal=1}, dim_labels=bf0_i0o->b0f, metadata={op_name="BSQ,QHK->BSHK/dot_general"}
+}
+"""
+
+
+def test_tpu_convolution_with_a_padded_window_over_one_input_counts_one_tap():
+    assert hlo_stats(TPU_HEADS_AS_WINDOW_HLO, num_devices=1).matmul_flops == 2 * 4096 * 64 * 256 * 2048
+
+
 # XLA:TPU's ragged dot, as libtpu compiles `jax.lax.ragged_dot` (bf16[1024,256] x 8 groups of bf16[256,512]):
 # a metadata kernel on the group sizes, then the grouped matmul on (metadata..., lhs, rhs).
 RAGGED_DOT_HLO = """

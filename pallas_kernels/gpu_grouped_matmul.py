@@ -26,6 +26,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels._common import dot_nn, dot_nt, dot_tn, next_power_of_two, pad_axis, round_up, triton_params
 from pallas_kernels._grouped_rows import held_rows_mask
+from pallas_kernels.kernel_cost import declared_cost
 
 GpuTiling = tuple[int, int, int]
 
@@ -104,7 +105,7 @@ def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, t
         group_sizes=group_sizes, m=m, tm=bm, start_group=group_offset, num_nonzero_groups=held,
         visit_empty_groups=False)
     kernel = functools.partial(_work_tiles_kernel, bm=bm, bk=bk, bn=bn, transpose_rhs=transpose_rhs)
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid=(n // bn, group_ids.shape[0]),
@@ -112,7 +113,11 @@ def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, t
         interpret=interpret,
         compiler_params=triton_params(num_warps=NUM_WARPS,
                                       num_stages=_stages(bm * bk + bk * bn, bm * bn, lhs.dtype.itemsize)),
-    )(group_ids, m_tile_ids, bounds.astype(jnp.int32), count.astype(jnp.int32)[None], group_offset[None], lhs, rhs)
+    )
+    k = lhs.shape[1]
+    with declared_cost(2 * m * k * n, (m * k + held * k * n + m * n) * lhs.dtype.itemsize):
+        out = call(group_ids, m_tile_ids, bounds.astype(jnp.int32), count.astype(jnp.int32)[None],
+                   group_offset[None], lhs, rhs)
     return jnp.where(held_rows_mask(group_sizes, group_offset, held, m), out, 0)
 
 
@@ -139,7 +144,7 @@ def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTi
     bm, bk, bn = tiling
     k, n = lhs.shape[1], d_out.shape[1]
     bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_weight_grad_kernel, bm=bm, bk=bk, bn=bn),
         out_shape=jax.ShapeDtypeStruct((held, k, n), lhs.dtype),
         grid=(held, k // bk, n // bn),
@@ -148,7 +153,10 @@ def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTi
         interpret=interpret,
         compiler_params=triton_params(num_warps=NUM_WARPS,
                                       num_stages=_stages(bm * bk + bm * bn, bk * bn, lhs.dtype.itemsize)),
-    )(bounds, group_offset[None], lhs, d_out)
+    )
+    m = lhs.shape[0]
+    with declared_cost(2 * m * k * n, (m * k + m * n + held * k * n) * lhs.dtype.itemsize):
+        return call(bounds, group_offset[None], lhs, d_out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -15,7 +15,7 @@ Counted:
   (`ragged-dot`) and cuBLAS gemm custom calls: 2 x output elements x contracted size. Pallas kernels count
   what they declare: a Mosaic TPU kernel's `pl.CostEstimate` travels in its backend_config; jax's Triton
   lowering drops the estimate, so a Triton kernel declares it as frontend attributes
-  (`jax.experimental.xla_metadata.set_xla_metadata` with the `KERNEL_COST_ATTRIBUTES` keys). A kernel that
+  (`pallas_kernels.kernel_cost.declared_cost`). A kernel that
   declares nothing is listed by name in `kernels_without_cost`, never counted as zero work silently. All
   FLOPs are attributed to the JAX operation they came from (`op_name` metadata).
 - HBM bytes: for every op executed at the level of ENTRY, while bodies, conditional branches and calls (not
@@ -46,6 +46,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# Frontend attributes a kernel without a backend-config cost declares its cost with (flops, bytes, transcendentals).
+from pallas_kernels.kernel_cost import KERNEL_COST_ATTRIBUTES
+
 DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
                "f64": 8, "c64": 8, "c128": 16}
@@ -53,8 +56,6 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
                "ragged-all-to-all")
 # custom_call_target of Pallas kernels: Mosaic TPU, Triton GPU (XLA's and jaxlib's), Mosaic GPU.
 KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu", "mosaic_gpu_v2")
-# Frontend attributes a kernel without a backend-config cost declares its cost with (flops, bytes, transcendentals).
-KERNEL_COST_ATTRIBUTES = ("pallas_flops", "pallas_bytes_accessed", "pallas_transcendentals")
 INTRA_NODE, INTER_NODE = "intra-node", "inter-node"
 COMBINED_NAMES_SHOWN = 3  # sources named for an op XLA combined from several
 

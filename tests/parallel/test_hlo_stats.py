@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, KERNEL_COST_ATTRIBUTES, hlo_stats
+from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, hlo_stats
+from pallas_kernels.kernel_cost import declared_cost
 from glm5_jax.parallel.topology import get_topology
 
 
@@ -238,7 +238,7 @@ def test_a_triton_kernel_compiled_for_gpu_counts_the_cost_it_declares_in_fronten
     kernel = pl.pallas_call(_matmul_kernel, out_shape=OUT, name="costed_matmul", compiler_params=params)
 
     def costed(x, y):  # jax's Triton lowering drops pl.CostEstimate; the attributes reach the compiled HLO
-        with set_xla_metadata(**dict(zip(KERNEL_COST_ATTRIBUTES, (KERNEL_FLOPS, KERNEL_BYTES, 0)))):
+        with declared_cost(KERNEL_FLOPS, KERNEL_BYTES):
             return kernel(x, y)
 
     step = _two_kernels_three_times(params, costed)

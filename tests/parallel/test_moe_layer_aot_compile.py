@@ -1,8 +1,9 @@
 """One GLM-5 MoE layer's training step (router, 256 routed experts, shared expert; forward and backward in bf16)
-compiled for a TPU v5p slice by libtpu on a machine without a TPU, with the routed experts spread over the chips
-(`expert` 4, `fsdp` 1): the compiled step must do the model's matmul work, its grouped matmuls' weight gradients
-included (`jax.lax.ragged_dot`'s transpose is a dense product over every local expert on TPU: 64x here), and
-must gather no routed expert's weights (its tokens travel to it by all-to-all instead).
+compiled ahead of time, on a machine with neither, for a TPU v5p slice (libtpu; 4 chips) and for one node of 8
+H100s (the CUDA plugin), with the routed experts spread over the chips (`expert` = chips, `fsdp` 1): the
+compiled step must do the model's matmul work, its grouped matmuls' weight gradients included
+(`jax.lax.ragged_dot`'s transpose is a dense product over every local expert: 64x on the v5p slice, and on GPU
+the forward is dense too), and must gather no routed expert's weights (its tokens travel to it by all-to-all).
 
 The capacity factor is 1.0 so the receive buffers hold exactly the even load: the grouped matmul kernel declares
 its cost for every buffer row, and this test counts the work the program is built to do, not the padding a
@@ -45,11 +46,12 @@ def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.slow
-@pytest.mark.tpu_aot
-def test_moe_layer_step_for_v5p_does_the_model_flops_and_gathers_no_expert_weight():
+@pytest.mark.parametrize("topology", [pytest.param("v5p-8", marks=pytest.mark.tpu_aot),
+                                      pytest.param("h100-8", marks=pytest.mark.gpu_aot)])
+def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topology):
     config = dataclasses.replace(load_model_config(REPO / "configs" / "glm5_744b.yaml"), moe_backend="ep",
                                  moe_capacity_factor=1.0, param_dtype="bfloat16").validate()
-    devices = get_topology("v5p-8").devices()  # 4 chips
+    devices = get_topology(topology).devices()
     mesh = make_mesh(MeshConfig(expert=len(devices)), devices)
     state = nnx.state(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.bfloat16)))
     params = nnx.to_pure_dict(jax.tree.map(
@@ -70,7 +72,9 @@ def test_moe_layer_step_for_v5p_does_the_model_flops_and_gathers_no_expert_weigh
     model = 3 * moe_flops_per_token(config) * TOKENS_PER_CHIP  # forward + backward, per chip
     ratio = stats.matmul_flops / model
     assert 0.95 <= ratio <= 1.1, (ratio, dict(list(stats.flops_by_source.items())[:6]))
-    assert "ragged-dot" not in text, "the routed experts must use the grouped matmul kernel, not ragged_dot"
+    assert "ragged-dot" not in text and "ragged_dot" not in text, "the routed experts must use the grouped " \
+        "matmul kernels, not ragged_dot"
+    assert not stats.kernels_without_cost, stats.kernels_without_cost
     d, f = config.hidden_size, config.moe_intermediate_size
     gathered = [s for s in _all_gather_shapes(text) if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered: {gathered}"

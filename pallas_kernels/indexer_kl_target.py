@@ -135,10 +135,12 @@ def _row_layout(values, heads_padded: int):
 
 def _dense_target_plan(rows: int, layout: MlaLayout, itemsize: int, block_t: int) -> tuple[int, int]:
     """(keys per step, pipeline stages) of the Triton dense target on the target GPU: the block's query rows
-    x (Cp+Rp) stay in shared memory, each stage holds block_t key rows (GLM-5 bf16, 64 rows, block_t 64:
-    72 KiB + 72 KiB per stage -> 2 stages in 227 KiB)."""
+    x (Cp+Rp) stay in shared memory, each stage holds block_t key rows, and the fp32 rows x block_t logits
+    tile passes through it between layouts (GLM-5 bf16, 64 rows, block_t 64: 72 KiB + 72 KiB per stage +
+    16 KiB -> one stage in 227 KiB; two measured 232 KiB with segment ids)."""
     width = layout.latent_padded + layout.rope_padded
-    return fit_block_and_stages(block_t, lambda block, stages: (rows + stages * block) * width * itemsize)
+    return fit_block_and_stages(
+        block_t, lambda block, stages: (rows + stages * block) * width * itemsize + rows * block * 4)
 
 
 def _dense_target_kernel(q_c_ref, q_r_ref, q_pos_ref, q_seg_ref, k_c_ref, k_r_ref, k_seg_ref, out_ref, *,

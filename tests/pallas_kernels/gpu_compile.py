@@ -39,7 +39,11 @@ def on_gpu(tree, target: str):
 
 
 def lower_for(fn, args, target: str):
-    return jax.jit(fn).trace(*on_gpu(args, target)).lower()
+    """fn(*args) lowered for the target GPU. Its device is also the default one: newer jax picks the GPU
+    architecture of a Pallas Triton kernel from the default device's kind (CPU here otherwise)."""
+    sharding = gpu_sharding(target)
+    with jax.default_device(sharding.mesh.devices.flat[0]):
+        return jax.jit(fn).trace(*on_gpu(args, target)).lower()
 
 
 def triton_kernel_names(compiled_text: str) -> list[str]:

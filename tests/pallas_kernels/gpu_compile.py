@@ -46,6 +46,18 @@ def lower_for(fn, args, target: str):
         return jax.jit(fn).trace(*on_gpu(args, target)).lower()
 
 
+def compile_lowered(lowered):
+    """lowered.compile(), kept out of the persistent compilation cache: an executable compiled for a GPU
+    without one cannot be read back from it (every later run would warn and compile again)."""
+    option = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, option)
+    jax.config.update(option, float("inf"))
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update(option, previous)
+
+
 def triton_kernel_names(compiled_text: str) -> list[str]:
     """Name of each Pallas Triton kernel (custom call) in a compiled module's text, in order."""
     names = []

@@ -106,25 +106,33 @@ def gather_kernel_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
         layout.block_n, lambda block, stages: (layout.heads_padded + stages * block) * width * itemsize)
 
 
-def backward_column_parts(layout: MlaLayout, itemsize: int) -> int:
-    """Column parts of C the Triton backward computes each block's d(latent) rows in, fewest that fit.
+def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
+    """(slots per step, column parts of C) of the Triton backward on the target GPU: the largest block not
+    above layout.block_n, computed in the fewest column parts, that fits.
 
     Shared memory: queries Hp x (Cp+Rp) and d_out Hp x Cp stay for the whole loop, plus the larger of the
-    block's gathered rows block_n x (Cp+Rp) and (after them) the d logits Hp x block_n with one fp32
-    block_n x Cp/parts row-gradient part, which Triton converts between layouts in shared memory. GLM-5
-    bf16: 136 KiB + 128 KiB at one part (272 KiB: over Hopper's 227 KiB), 136 + 72 KiB at two.
+    block's gathered rows block x (Cp+Rp) and (after them) the d logits Hp x block with one fp32
+    block x Cp/parts row-gradient part, which Triton converts between layouts in shared memory. GLM-5
+    bf16, block 64: 136 KiB + 128 KiB at one part (272 KiB: over Hopper's 227 KiB), 136 + 72 KiB at two.
+    When nothing fits (fp32 at GLM-5: the resident tiles alone are 272 KiB), the smallest block and most
+    parts: the compiler then reports how much the kernel asks for.
     """
-    c_dim, heads, block_n = layout.latent_padded, layout.heads_padded, layout.block_n
+    c_dim, heads = layout.latent_padded, layout.heads_padded
     width = c_dim + layout.rope_padded
     resident = heads * (width + c_dim) * itemsize
+    most_parts = max(1, c_dim // MIN_BLOCK)
 
-    def footprint(parts: int) -> int:
-        return resident + max(block_n * width * itemsize, heads * block_n * itemsize + block_n * c_dim // parts * 4)
+    def footprint(block: int, parts: int) -> int:
+        return resident + max(block * width * itemsize, heads * block * itemsize + block * c_dim // parts * 4)
 
-    parts = 1
-    while c_dim // parts > MIN_BLOCK and not fits(footprint(parts)):
-        parts *= 2
-    return parts
+    block = layout.block_n
+    while True:
+        parts = 1
+        while parts < most_parts and not fits(footprint(block, parts)):
+            parts *= 2
+        if fits(footprint(block, parts)) or block == MIN_BLOCK:
+            return block, parts
+        block //= 2
 
 
 def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.mla_layout import (
     MlaLayout,
-    backward_column_parts,
+    backward_plan,
     backward_shift,
     chunked_backward,
     gather_kernel_plan,
@@ -112,7 +112,7 @@ def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpre
 
 def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref,
                      dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref, *, scale, block_n, column_parts):
-    # The C columns are handled in `column_parts` static slices (`backward_column_parts`): each block's
+    # The C columns are handled in `column_parts` static slices (`backward_plan`): each block's
     # fp32 row gradients then pass through shared memory one [block_n, C / parts] part at a time.
     num_keys, width = k_c_ref.shape
     part_width = width // column_parts
@@ -157,9 +157,9 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
 def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
     rope, slots = q_r.shape[-1], idx.shape[-1]
+    block_n, column_parts = backward_plan(layout, q_c.dtype.itemsize)
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, block_n=layout.block_n,
-                          column_parts=backward_column_parts(layout, q_c.dtype.itemsize)),
+        functools.partial(_backward_kernel, scale=scale, block_n=block_n, column_parts=column_parts),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads, width),
                   per_query_spec(heads), per_query_spec(heads)],

@@ -2,6 +2,8 @@
 the choices at GLM-5's shapes, and the kernels' numerics (interpret mode) when a tiny limit forces the smallest
 blocks and the most column parts of the sparse MLA backward, paths the regular tests' small shapes never take."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from pallas_kernels import (
     sparse_mla_attention,
 )
 from pallas_kernels.gpu_targets import GPU_TARGETS, gpu_target_config
-from pallas_kernels.mla_layout import MlaLayout, backward_column_parts, gather_kernel_plan
+from pallas_kernels.mla_layout import MlaLayout, backward_plan, gather_kernel_plan
 from pallas_kernels.reference import (
     dense_attention_target_reference,
     indexer_scores_reference,
@@ -48,11 +50,12 @@ def test_fit_takes_the_largest_block_then_the_most_stages():
 
 
 def test_glm5_choices_on_hopper():
-    """bf16: the asked-for block with two stages, and the backward in two column parts (one needs 272 KiB);
-    fp32: the row block halves to fit a single stage."""
+    """bf16: the asked-for block with two stages, and the backward in two column parts (one needs 272 KiB),
+    its block of 128 halved; fp32: the row block halves to fit a single stage."""
     assert gather_kernel_plan(GLM5, 2) == (64, 2)
     assert gather_kernel_plan(GLM5, 4) == (32, 1)
-    assert backward_column_parts(GLM5, 2) == 2
+    assert backward_plan(GLM5, 2) == (64, 2)
+    assert backward_plan(dataclasses.replace(GLM5, block_n=128), 2) == (64, 2)
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ def test_sparse_attention_with_smallest_blocks_and_most_column_parts(no_shared_m
     """block_n 32 asked, 16 used; C = 64 in four column parts of 16 in the backward."""
     batch, q_len, num_keys, heads, c_dim, r_dim, slots = 1, 5, 24, 4, 64, 8, 40
     layout = MlaLayout(heads, c_dim, r_dim, slots, 32)
-    assert gather_kernel_plan(layout, 4) == (16, 1) and backward_column_parts(layout, 4) == 4
+    assert gather_kernel_plan(layout, 4) == (16, 1) and backward_plan(layout, 4) == (16, 4)
     keys = jax.random.split(jax.random.key(3), 5)
     q = jax.random.normal(keys[0], (batch, q_len, heads, c_dim + r_dim))
     latent = jax.random.normal(keys[1], (batch, num_keys, c_dim + r_dim))

@@ -2,7 +2,8 @@
 
 1. correctness at a small GLM-5-shaped size (H=64, C=512, R=64, bf16) against the jnp references, for
    each block_n in --block-ns (which also shows which tile sizes compile): out / lse / dq / dlatent
-   errors, indexer top-k equality on exact (dyadic) scores, KL-target errors;
+   errors, indexer scores and their q / k / weights gradients, indexer top-k equality on exact (dyadic)
+   scores, KL-target errors;
 2. scaling at S = T in --seqs with N = --topk selected rows: forward and forward+backward time of the Pallas
    sparse attention and of dense causal latent attention over all keys (XLA, query-chunked and
    rematerialised so it fits), plus the indexer top-k forward; each with achieved TFLOP/s.
@@ -32,13 +33,16 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import (
+    NEG_INF,
     dense_attention_target,
+    indexer_scores,
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
 )
 from pallas_kernels.reference import (
     dense_attention_target_reference,
+    indexer_scores_reference,
     indexer_topk_reference,
     sparse_attention_target_reference,
     sparse_mla_attention_reference,
@@ -155,6 +159,29 @@ def sum_of_squares_grad(fn):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
+def indexer_score_errors(args, q_len: int) -> dict[str, float]:
+    """Relative errors of the indexer scores kernel (bf16 inputs) and of its gradients in q, k and weights
+    against the reference, on the visible (causal) scores."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (1, q_len, args.index_heads, args.index_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, q_len, args.index_dim), jnp.bfloat16)
+    w = jax.random.normal(keys[2], (1, q_len, args.index_heads), jnp.float32)
+    cotangent = jax.random.normal(keys[3], (1, q_len, q_len), jnp.float32)
+
+    def run(fn, **extra):
+        @jax.jit
+        def go(q, k, w):
+            scores, vjp = jax.vjp(lambda a, b, c: fn(a, b, c, **extra), q, k, w)
+            visible = scores > NEG_INF / 2
+            return (jnp.where(visible, scores, 0.0), *vjp(jnp.where(visible, cotangent, 0.0)))
+        return go(q, k, w)
+
+    got = run(indexer_scores, interpret=args.interpret)
+    want = run(indexer_scores_reference)
+    return {f"indexer_{name}": relative_error(g, w)
+            for name, g, w in zip(("scores", "dq", "dk", "dweights"), got, want)}
+
+
 def check_correctness(args, rec: Recorder, block_n: int) -> bool:
     """Kernels against references at --check-seq; True when everything is within bf16 tolerance."""
     c_dim, r_dim, heads, q_len = args.kv_lora_rank, args.rope_dim, args.heads, args.check_seq
@@ -185,6 +212,7 @@ def check_correctness(args, rec: Recorder, block_n: int) -> bool:
                                                                                       scale=scale))
     dense = jax.jit(lambda q, l: dense_attention_target(q, l, scale=scale, interpret=args.interpret))(q, latent)
     errors["dense_target"] = relative_error(dense, dense_attention_target_reference(q, latent, scale=scale))
+    errors.update(indexer_score_errors(args, q_len))
     # Indexer: small integers make the scores exact in fp32, so indices must agree exactly.
     rng = np.random.default_rng(1)
     qi = jnp.asarray(rng.integers(-2, 3, (1, q_len, args.index_heads, args.index_dim)).astype(np.float32))

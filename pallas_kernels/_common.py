@@ -71,15 +71,17 @@ def triton_params(*, num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def gather_rows(ref, idx: jax.Array, valid: jax.Array) -> jax.Array:
-    """rows[n] = ref[idx[n], :] for valid slots, zeros elsewhere; ref is 2-D [T, width].
+def gather_rows(ref, idx: jax.Array, valid: jax.Array, columns: slice | None = None) -> jax.Array:
+    """rows[n] = ref[idx[n], columns] for valid slots, zeros elsewhere; ref is 2-D [T, width], columns a
+    static slice (default: all).
 
     A masked pointer gather: lowers to one vectorised load per row block on Triton and to a plain
     gather in interpret mode. Invalid slots read row 0 under a false mask, so no address leaves ref.
     """
-    shape = (idx.shape[0], ref.shape[-1])
+    start, stop, _ = (columns or slice(None)).indices(ref.shape[-1])
+    shape = (idx.shape[0], stop - start)
     rows = jnp.broadcast_to(jnp.where(valid, idx, 0)[:, None], shape)
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    cols = start + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = jnp.broadcast_to(valid[:, None], shape)
     return plgpu.load(ref.at[rows, cols], mask=mask, other=0)
 

@@ -43,13 +43,14 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.mla_layout import (
     MlaLayout,
-    kernel_stages,
+    gather_kernel_plan,
     kernel_warps,
     pad_indices,
     split_latent,
     split_queries,
     validate_sparse_inputs,
 )
+from pallas_kernels.shared_memory import fit_block_and_stages
 from pallas_kernels.sparse_mla import gathered_rows_in_specs, per_query_spec
 from pallas_kernels.tpu_indexer import tpu_dense_target
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_target
@@ -115,20 +116,31 @@ def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
     lse_p = pad_axis(lse.astype(jnp.float32), 2, layout.heads_padded, value=_PADDED_HEAD_LSE)
     batch, q_len, heads = q_c.shape[:3]
     slots = idx.shape[-1]
+    block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
     return pl.pallas_call(
-        functools.partial(_sparse_target_kernel, scale=scale, block_n=layout.block_n),
+        functools.partial(_sparse_target_kernel, scale=scale, block_n=block_n),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads)],
         out_specs=per_query_spec(slots),
         out_shape=jax.ShapeDtypeStruct((batch, q_len, slots), jnp.float32),
         interpret=interpret,
-        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),
+        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )(q_c, q_r, idx, k_c, k_r, lse_p)[:, :, : layout.num_slots]
 
 
 def _row_layout(values, heads_padded: int):
     """Per-query values [block_s] -> per (query, head) row values [block_s * heads_padded]."""
     return jnp.broadcast_to(values[:, None], (values.shape[0], heads_padded)).reshape(-1)
+
+
+def _dense_target_plan(rows: int, layout: MlaLayout, itemsize: int, block_t: int) -> tuple[int, int]:
+    """(keys per step, pipeline stages) of the Triton dense target on the target GPU: the block's query rows
+    x (Cp+Rp) stay in shared memory, each stage holds block_t key rows, and the fp32 rows x block_t logits
+    tile passes through it between layouts (GLM-5 bf16, 64 rows, block_t 64: 72 KiB + 72 KiB per stage +
+    16 KiB -> one stage in 227 KiB; two measured 232 KiB with segment ids)."""
+    width = layout.latent_padded + layout.rope_padded
+    return fit_block_and_stages(
+        block_t, lambda block, stages: (rows + stages * block) * width * itemsize + rows * block * 4)
 
 
 def _dense_target_kernel(q_c_ref, q_r_ref, q_pos_ref, q_seg_ref, k_c_ref, k_r_ref, k_seg_ref, out_ref, *,
@@ -215,6 +227,7 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     heads_p = layout.heads_padded
     if block_s is None:
         block_s = max(1, _DENSE_ROWS // heads_p)
+    block_t, stages = _dense_target_plan(block_s * heads_p, layout, q.dtype.itemsize, block_t)
     len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
     q_pos = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_seg = pad_axis(q_seg, 1, len_p)
@@ -238,6 +251,6 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
         out_specs=pl.BlockSpec((None, block_s, keys_p), lambda b, i: (b, i, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
         interpret=interpret,
-        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),
+        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )(q_c, q_r, q_pos, q_seg, k_c, k_r, k_seg)
     return target[:, :q_len, :k_len]

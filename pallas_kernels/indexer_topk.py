@@ -43,6 +43,7 @@ from pallas_kernels._common import (
     round_up,
     triton_params,
 )
+from pallas_kernels.shared_memory import fit_block_and_stages
 from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
 # Rows (query x indexer head) of one score tile: big enough for the tensor cores, small enough for registers.
@@ -88,6 +89,10 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
     heads_p = next_power_of_two(heads)
     dim_p = next_power_of_two(head_dim, MIN_BLOCK)
     block_s = _block_s(heads_p)
+    itemsize = q.dtype.itemsize
+    # Shared memory: the block's (block_s I) x J queries stay, each pipeline stage holds block_t x J keys.
+    block_t, stages = fit_block_and_stages(
+        block_t, lambda block, stages: (block_s * heads_p + stages * block) * dim_p * itemsize)
     len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
     q_rows = pad_axis(pad_axis(pad_axis(q, 3, dim_p), 2, heads_p), 1, len_p).reshape(batch, len_p * heads_p, dim_p)
     k_p = pad_axis(pad_axis(k, 2, dim_p), 1, keys_p)
@@ -109,7 +114,7 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
         out_specs=pl.BlockSpec((None, block_s, keys_p), lambda b, i: (b, i, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
         interpret=interpret,
-        compiler_params=triton_params(num_warps=4, num_stages=2),
+        compiler_params=triton_params(num_warps=4, num_stages=stages),
     )(q_rows, k_p, w_p, q_pos_p, q_seg_p, k_seg_p)
     return scores[:, :q_len, :k_len]
 

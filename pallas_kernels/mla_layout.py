@@ -21,6 +21,7 @@ from pallas_kernels._common import (
     pad_axis,
     round_up,
 )
+from pallas_kernels.shared_memory import fit_block_and_stages, fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +96,43 @@ def kernel_warps(layout: MlaLayout) -> int:
     return 8 if layout.heads_padded * layout.latent_padded >= 64 * 512 else 4
 
 
-def kernel_stages(layout: MlaLayout) -> int:
-    """Software pipelining doubles the gathered row tile in shared memory; with GLM-5's 576-wide rows
-    (a 64 x 576 bf16 tile is 72 KiB, plus the queries) two stages would not fit Hopper's 227 KiB."""
-    return 1 if layout.latent_padded >= 256 else 2
+def gather_kernel_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
+    """(rows gathered per step, pipeline stages) of the Triton row-gathering kernels (sparse MLA forward,
+    sparse KL target) on the target GPU: the query's Hp x (Cp+Rp) block stays in shared memory, and each
+    stage holds one block of gathered rows (GLM-5 bf16, block_n 64: 72 KiB + 72 KiB per stage -> 2 stages
+    in 227 KiB). The block is layout.block_n unless that does not fit even in one stage (fp32 at GLM-5)."""
+    width = layout.latent_padded + layout.rope_padded
+    return fit_block_and_stages(
+        layout.block_n, lambda block, stages: (layout.heads_padded + stages * block) * width * itemsize)
+
+
+def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
+    """(slots per step, column parts of C) of the Triton backward on the target GPU: the largest block not
+    above layout.block_n, computed in the fewest column parts, that fits.
+
+    Shared memory: queries Hp x (Cp+Rp) and d_out Hp x Cp stay for the whole loop, plus the larger of the
+    block's gathered rows block x (Cp+Rp) and (after them) the d logits Hp x block with one fp32
+    block x Cp/parts row-gradient part, which Triton converts between layouts in shared memory. GLM-5
+    bf16, block 64: 136 KiB + 128 KiB at one part (272 KiB: over Hopper's 227 KiB), 136 + 72 KiB at two.
+    When nothing fits (fp32 at GLM-5: the resident tiles alone are 272 KiB), the smallest block and most
+    parts: the compiler then reports how much the kernel asks for.
+    """
+    c_dim, heads = layout.latent_padded, layout.heads_padded
+    width = c_dim + layout.rope_padded
+    resident = heads * (width + c_dim) * itemsize
+    most_parts = max(1, c_dim // MIN_BLOCK)
+
+    def footprint(block: int, parts: int) -> int:
+        return resident + max(block * width * itemsize, heads * block * itemsize + block * c_dim // parts * 4)
+
+    block = layout.block_n
+    while True:
+        parts = 1
+        while parts < most_parts and not fits(footprint(block, parts)):
+            parts *= 2
+        if fits(footprint(block, parts)) or block == MIN_BLOCK:
+            return block, parts
+        block //= 2
 
 
 def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:

@@ -36,9 +36,10 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.mla_layout import (
     MlaLayout,
+    backward_plan,
     backward_shift,
     chunked_backward,
-    kernel_stages,
+    gather_kernel_plan,
     kernel_warps,
     pad_indices,
     split_latent,
@@ -96,24 +97,29 @@ def gathered_rows_in_specs(q_c, q_r, idx, k_c) -> list:
 
 def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
+    block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
     return pl.pallas_call(
-        functools.partial(_forward_kernel, scale=scale, block_n=layout.block_n),
+        functools.partial(_forward_kernel, scale=scale, block_n=block_n),
         grid=(batch, q_len),
         in_specs=gathered_rows_in_specs(q_c, q_r, idx, k_c),
         out_specs=[per_query_spec(heads, width), per_query_spec(heads)],
         out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
                    jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)],
         interpret=interpret,
-        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=kernel_stages(layout)),
+        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )(q_c, q_r, idx, k_c, k_r)
 
 
 def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref,
-                     dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref, *, scale, block_n):
-    num_keys = k_c_ref.shape[0]
-    q_c = q_c_ref[...]
+                     dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref, *, scale, block_n, column_parts):
+    # The C columns are handled in `column_parts` static slices (`backward_plan`): each block's
+    # fp32 row gradients then pass through shared memory one [block_n, C / parts] part at a time.
+    num_keys, width = k_c_ref.shape
+    part_width = width // column_parts
+    parts = [slice(i * part_width, (i + 1) * part_width) for i in range(column_parts)]
+    q_c = [q_c_ref[:, cols] for cols in parts]
+    d_out = [do_ref[:, cols] for cols in parts]
     q_r = q_r_ref[...]
-    d_out = do_ref[...]
     lse = lse_ref[...]
     shift = shift_ref[...]
 
@@ -122,31 +128,38 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
         slots = pl.ds(j * block_n, block_n)
         idx = idx_ref[slots]
         valid = (idx >= 0) & (idx < num_keys)
-        k_c = gather_rows(k_c_ref, idx, valid)
+        k_c = [gather_rows(k_c_ref, idx, valid, cols) for cols in parts]
         k_r = gather_rows(k_r_ref, idx, valid)
-        logits = (dot_nt(q_c, k_c) + dot_nt(q_r, k_r)) * scale
-        p = jnp.where(valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+        logits = dot_nt(q_r, k_r)
+        d_values = 0.0
+        for q_part, do_part, k_part in zip(q_c, d_out, k_c):
+            logits = logits + dot_nt(q_part, k_part)
+            d_values = d_values + dot_nt(do_part, k_part)
+        p = jnp.where(valid[None, :], jnp.exp(logits * scale - lse[:, None]), 0.0)
         # d loss / d logit = p * (do.v - (do.out - d lse)); `shift` holds do.out - d lse per head.
-        d_logits = p * (dot_nt(d_out, k_c) - shift[:, None])
-        d_logits_lo = d_logits.astype(k_c.dtype)
-        dq_c = dq_c + dot_nn(d_logits_lo, k_c)
-        dq_r = dq_r + dot_nn(d_logits_lo, k_r)
+        d_logits = (p * (d_values - shift[:, None])).astype(k_r.dtype)
+        dq_c = tuple(acc + dot_nn(d_logits, k_part) for acc, k_part in zip(dq_c, k_c))
+        dq_r = dq_r + dot_nn(d_logits, k_r)
         # Per-slot row gradients, already summed over heads: key part of all C+R columns plus value part.
-        dk_c_ref[slots, :] = scale * dot_tn(d_logits_lo, q_c) + dot_tn(p.astype(d_out.dtype), d_out)
-        dk_r_ref[slots, :] = scale * dot_tn(d_logits_lo, q_r)
+        p_lo = p.astype(k_r.dtype)
+        for cols, q_part, do_part in zip(parts, q_c, d_out):
+            dk_c_ref[slots, cols] = scale * dot_tn(d_logits, q_part) + dot_tn(p_lo, do_part)
+        dk_r_ref[slots, :] = scale * dot_tn(d_logits, q_r)
         return dq_c, dq_r
 
-    init = (jnp.zeros(q_c.shape, jnp.float32), jnp.zeros(q_r.shape, jnp.float32))
+    init = (tuple(jnp.zeros(x.shape, jnp.float32) for x in q_c), jnp.zeros(q_r.shape, jnp.float32))
     dq_c, dq_r = lax.fori_loop(0, idx_ref.shape[0] // block_n, step, init)
-    dq_c_ref[...] = (scale * dq_c).astype(dq_c_ref.dtype)
+    for cols, acc in zip(parts, dq_c):
+        dq_c_ref[:, cols] = (scale * acc).astype(dq_c_ref.dtype)
     dq_r_ref[...] = (scale * dq_r).astype(dq_r_ref.dtype)
 
 
 def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
     rope, slots = q_r.shape[-1], idx.shape[-1]
+    block_n, column_parts = backward_plan(layout, q_c.dtype.itemsize)
     return pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, block_n=layout.block_n),
+        functools.partial(_backward_kernel, scale=scale, block_n=block_n, column_parts=column_parts),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads, width),
                   per_query_spec(heads), per_query_spec(heads)],

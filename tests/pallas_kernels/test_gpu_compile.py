@@ -1,0 +1,133 @@
+"""Every Triton (GPU) entry point, forward and backward, compiled ahead of time for H100 and H200 by XLA's GPU
+compiler and its Triton compiler, on a machine without a GPU (the CUDA plugin describes the device from
+`pallas_kernels/gpu_targets`). Interpret mode runs none of Triton's compiler, so shared-memory limits, tile
+layouts and unsupported ops show up only here. Each compiled module must hold the expected Pallas Triton
+kernels and no Mosaic kernel, and each kernel's shared memory (as Triton allocates it) must fit the device.
+
+Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128) in bf16 for both GPUs, and the
+interpret tests' kind of small odd shapes in fp32 and bf16 for H100 (H200 has the same SM and shared memory,
+so its kernels are the same), and fp32 at GLM-5's shapes for H100, where the row and key blocks shrink to fit.
+Not the sparse MLA backward in fp32 at GLM-5's shapes: its resident fp32 queries and output gradient alone
+(272 KiB) exceed the 227 KiB per block."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from gpu_compile import compile_lowered, lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
+
+from pallas_kernels import (
+    dense_attention_target,
+    indexer_scores,
+    indexer_topk,
+    sparse_attention_target,
+    sparse_mla_attention,
+)
+from pallas_kernels.gpu_targets import GPU_TARGETS
+from pallas_kernels.shared_memory import shared_memory_limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    batch: int
+    q_len: int
+    k_len: int
+    heads: int
+    latent_dim: int  # C
+    rope_dim: int  # R
+    slots: int  # N
+    block_n: int
+    bwd_query_chunk: int
+    index_heads: int  # I
+    index_dim: int  # J
+    block_t: int
+
+
+# GLM-5 at its training sequence length; the kernels' grids grow with S, their programs do not.
+GLM5 = Shapes(batch=1, q_len=4096, k_len=4096, heads=64, latent_dim=512, rope_dim=64, slots=2048, block_n=64,
+              bwd_query_chunk=256, index_heads=32, index_dim=128, block_t=64)
+# Odd sizes as in the interpret tests: padded heads, C, R, N, I, J; N not a multiple of block_n; T of block_t.
+SMALL = Shapes(batch=2, q_len=9, k_len=40, heads=4, latent_dim=24, rope_dim=8, slots=20, block_n=16,
+               bwd_query_chunk=4, index_heads=3, index_dim=24, block_t=16)
+
+
+def entry_points(shape: Shapes, dtype) -> dict:
+    """name: (function, abstract arguments, Pallas Triton kernels in its compiled module)."""
+    b, s, t, h = shape.batch, shape.q_len, shape.k_len, shape.heads
+    width, ih, ij = shape.latent_dim + shape.rope_dim, shape.index_heads, shape.index_dim
+    sds = jax.ShapeDtypeStruct
+    q, latent = sds((b, s, h, width), dtype), sds((b, t, width), dtype)
+    indices, lse = sds((b, s, shape.slots), jnp.int32), sds((b, s, h), jnp.float32)
+    q_index, k_index, weights = sds((b, s, ih, ij), dtype), sds((b, t, ij), dtype), sds((b, s, ih), jnp.float32)
+    q_seg, k_seg = sds((b, s), jnp.int32), sds((b, t), jnp.int32)
+    compiled = dict(platform="gpu", interpret=False)
+    scale = width**-0.5
+    attention = functools.partial(sparse_mla_attention, scale=scale, kv_lora_rank=shape.latent_dim,
+                                  block_n=shape.block_n, bwd_query_chunk=shape.bwd_query_chunk, **compiled)
+    masks = lambda qs, ks: dict(q_segment_ids=qs, k_segment_ids=ks, q_offset=t - s)  # noqa: E731
+
+    def attention_loss(q, latent, indices):  # gradients through out and lse
+        out, lse = attention(q, latent, indices)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
+
+    def scores(q, k, w, qs, ks):
+        return indexer_scores(q, k, w, block_t=shape.block_t, **masks(qs, ks), **compiled)
+
+    def scores_loss(q, k, w, qs, ks):
+        return jnp.sum(jnp.sin(scores(q, k, w, qs, ks)))
+
+    def topk(q, k, w, qs, ks):
+        return indexer_topk(q, k, w, topk=shape.slots, block_t=shape.block_t, **masks(qs, ks), **compiled)
+
+    def sparse_target(q, latent, indices, lse):
+        return sparse_attention_target(q, latent, indices, lse, scale=scale, block_n=shape.block_n, **compiled)
+
+    def dense_target(q, latent, qs, ks):
+        return dense_attention_target(q, latent, scale=scale, block_t=shape.block_t, **masks(qs, ks), **compiled)
+
+    grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
+    index_args = (q_index, k_index, weights, q_seg, k_seg)
+    return {
+        "sparse_mla_forward": (attention, (q, latent, indices), 1),
+        "sparse_mla_backward": (grad(attention_loss, 2), (q, latent, indices), 2),  # forward + backward kernel
+        "indexer_scores": (scores, index_args, 1),
+        "indexer_scores_with_backward": (grad(scores_loss, 3), index_args, 1),  # jnp backward
+        "indexer_topk": (topk, index_args, 1),
+        "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),
+        "dense_attention_target": (dense_target, (q, latent, q_seg, k_seg), 1),  # both passes in one program
+    }
+
+
+SHAPES = {"glm5": GLM5, "small": SMALL}
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+NAMES = sorted(entry_points(SMALL, jnp.float32))
+
+
+def _params():
+    for name in NAMES:
+        for target in GPU_TARGETS:
+            yield pytest.param(target, "glm5", "bf16", name, id=f"{target}-glm5-bf16-{name}")
+        if name != "sparse_mla_backward":  # fp32: its blocks shrink to fit (see module docstring)
+            yield pytest.param("h100", "glm5", "fp32", name, id=f"h100-glm5-fp32-{name}")
+        for dtype in DTYPES:
+            yield pytest.param("h100", "small", dtype, name, id=f"h100-small-{dtype}-{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("target,shape,dtype,name", list(_params()))
+def test_triton_kernel_compiles_for_gpu(target, shape, dtype, name):
+    require_cuda_plugin()
+    fn, args, kernels = entry_points(SHAPES[shape], DTYPES[dtype])[name]
+    lowered = lower_for(fn, args, target)
+    text = compile_lowered(lowered).as_text()
+    assert len(triton_kernel_names(text)) == kernels, triton_kernel_names(text)
+    assert "tpu_custom_call" not in text and "mosaic_gpu" not in text
+    shared_memory = triton_shared_memory(lowered)
+    assert len(shared_memory) == kernels, shared_memory
+    assert max(shared_memory.values()) <= shared_memory_limit(target), shared_memory

@@ -1,9 +1,10 @@
 """The model of a run that starts from another one (`train.init_from=RUN`): taken from that run, so a config
-needs no hand-copied model section.
+needs no hand-copied model section. The parameters are trained in fp32 (`param_dtype`) unless the config
+says otherwise, whatever dtype the run stored them in.
 
 RUN holds `model.yaml` (written by `glm5 import-hf`) or `config.yaml` (written by `glm5 train`). A config
 without a model section gets that model whole. A config with one may set only the fields that leave the
-weights and their meaning unchanged (backends, dtypes of the computation, remat, scan, MTP depth, ...);
+weights unchanged (backends, dtypes, remat, scan, the DSA top-k, MTP depth, ...);
 any other field that differs from the run's is refused, naming each such field and both values.
 """
 
@@ -14,9 +15,13 @@ from pathlib import Path
 
 from glm5_jax.config.core import ConfigError, ModelConfig, from_dict, load_yaml
 
-# How the weights are used, not what they are: a config may choose these freely over the run's.
+# How the weights are used, not what they are: a config may choose these freely over the run's (index_topk:
+# DSA continued pre-training moves the same weights from dense attention to top-k, configs/dsa_*.yaml).
 EXECUTION_FIELDS = ("attention_backend", "pallas_platform", "moe_backend", "moe_capacity_factor", "ep_transport",
-                    "compute_dtype", "remat_policy", "scan_layers", "index_query_chunk", "mtp_num_steps")
+                    "param_dtype", "compute_dtype", "remat_policy", "scan_layers", "index_query_chunk",
+                    "index_topk", "mtp_num_steps")
+# Training keeps fp32 master weights (ModelConfig's default) whatever dtype the run stored (bf16 for an import).
+MASTER_DTYPE = ModelConfig.param_dtype
 
 
 def run_model_file(run_dir: str | Path) -> Path:
@@ -58,5 +63,6 @@ def model_for_init_from(given: dict | None, run_dir: str | Path) -> dict:
     """The model section of a config that starts from `run_dir`: the run's model, with the config's own
     section (`given`, possibly None) allowed to change only EXECUTION_FIELDS."""
     run_section, path = run_model_section(run_dir)
-    run_model = from_dict(ModelConfig, run_section, prefix=f"{path}: model.")
+    run_model = dataclasses.replace(from_dict(ModelConfig, run_section, prefix=f"{path}: model."),
+                                    param_dtype=MASTER_DTYPE)
     return agreeing_model(given, run_model, f"train.init_from={str(run_dir)!r} ({path})")

@@ -69,7 +69,12 @@ def run_batch(source: ModelSource, prompts: list[Prompt], options: GenerateOptio
     """One batch through the library's generation loop, with batch `index`'s key."""
     rng = jax.random.fold_in(jax.random.key(options.seed), index)
     ids = [list(p.ids) for p in prompts]
-    kwargs = dict(config=source.config, sampling=options.sampling, rng=rng,
+    max_len = max(map(len, ids)) + options.sampling.max_new_tokens + options.speculative
+    if options.collect_routing:
+        # A cache of at least index_topk rows records index_topk indexer slots per position in every batch,
+        # so records of different batches train together (replay needs train.seq_len >= index_topk too).
+        max_len = min(max(max_len, source.config.index_topk), source.config.max_position_embeddings)
+    kwargs = dict(config=source.config, sampling=options.sampling, rng=rng, max_len=max_len,
                   collect_routing=options.collect_routing, on_tokens=on_tokens)
     # The parameters carry their mesh shardings; jit partitions the loop's steps from them.
     if options.speculative:

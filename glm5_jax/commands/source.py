@@ -105,7 +105,7 @@ def load_source(path: str | Path, *, step: int | None = None, mesh_items: list[s
     if step is not None and step not in steps:
         raise CommandError(f"--step={step} is invalid: {path / 'checkpoints'} holds steps {steps}")
     step = steps[-1] if step is None else step
-    params, config = restore_run_params(path, mesh, step)
+    params, config = restore_run_params(path.absolute(), mesh, step)  # orbax wants absolute paths
     return ModelSource(path, kind, params, config, step, run_config, tokenizer, mesh)
 
 

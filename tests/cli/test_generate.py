@@ -1,7 +1,9 @@
 """`glm5 generate` through the command line: the library's decode loop at the same seed, MTP speculative
-decoding's greedy tokens, and HF `generate` from a Hugging Face checkpoint directory."""
+decoding's greedy tokens, HF `generate` from a Hugging Face checkpoint directory, and a two-device mesh."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from cli_subprocess import run_glm5
+from xla_env import REPO, subprocess_env
 
 from glm5_jax.commands.source import load_source, stop_ids
 from glm5_jax.generation import SamplingParams, generate
@@ -70,7 +73,8 @@ def test_speculative_greedy_tokens_equal_plain_greedy_tokens(trained_run, tmp_pa
 @pytest.mark.slow
 def test_a_single_prompt_is_streamed_as_text(trained_run):
     run_dir, _ = trained_run
-    done = run_glm5("generate", str(run_dir), "--prompt", "class ", "--max-new-tokens", "5", "--temperature", "0")
+    relative = os.path.relpath(run_dir, REPO)  # as a user types it (the command runs in REPO)
+    done = run_glm5("generate", relative, "--prompt", "class ", "--max-new-tokens", "5", "--temperature", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     source = load_source(run_dir)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=5, eos_ids=stop_ids(source))
@@ -94,3 +98,16 @@ def test_greedy_from_a_hugging_face_checkpoint_equals_hf_generate(tmp_path):
         with torch.no_grad():
             hf = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert record["tokens"] == hf[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+def test_generate_on_a_two_device_mesh_gives_the_one_device_tokens(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    args = [sys.executable, "-m", "glm5_jax.cli", "generate", str(run_dir), "--prompts", str(prompts), "--json",
+            "--max-new-tokens", "6", "--temperature", "0"]
+    one = run_glm5(*args[3:])
+    two = subprocess.run([*args, "mesh.fsdp=2"], capture_output=True, text=True, env=subprocess_env(devices=2),
+                         cwd=REPO, timeout=600)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert [r["tokens"] for r in _records(two.stdout)] == [r["tokens"] for r in _records(one.stdout)]

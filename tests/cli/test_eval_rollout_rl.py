@@ -95,3 +95,25 @@ def test_a_failing_reward_names_its_record_and_leaves_only_whole_batches(trained
     assert f"raised KeyError: 'answer' for prompt 'second' ({prompts}:2), sample 0" in done.stderr
     assert [r.rollout_id for r in read_rollouts(out)] == ["first/0", "first/1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "rollouts.jsonl"]
+
+
+@pytest.mark.slow
+def test_eval_sft_mode_scores_only_the_assistant_tokens(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    chat = tmp_path / "chat.jsonl"
+    record = {"messages": [{"role": "user", "content": "name a module /nothink"},
+                           {"role": "assistant", "content": "os"}]}
+    chat.write_text(json.dumps(record) + "\n")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"text": "name a module: os"}) + "\n")
+    runs = {mode: run_glm5("eval", str(run_dir), str(path), "--mode", mode, "--batches", "1",
+                           "train.seq_len=64", "train.batch_size=2")
+            for mode, path in (("sft", chat), ("pretrain", plain))}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr[-3000:]
+    sft, pretrain = (json.loads(runs[m].stdout.splitlines()[-1]) for m in ("sft", "pretrain"))
+    assert sft["data"]["source"] == "chat_jsonl" and pretrain["data"]["source"] == "jsonl"
+    # The conversation renders to 31 tokens of which 3 are trained ("os" and the closing <|endoftext|>); the
+    # data repeat, so each row of 64 packs two copies: 2 rows x 2 copies x 3 tokens.
+    assert sft["scored_tokens"] == 12
+    assert pretrain["scored_tokens"] > 2 * sft["scored_tokens"]

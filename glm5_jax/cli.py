@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from glm5_jax.commands import evaluate, generate, prompts, rollout
+from glm5_jax.commands import evaluate, generate, prompts, rollout  # their docstrings are the --help texts
 from glm5_jax.commands.evaluate import EVAL_MODES, eval_config, run_eval
 from glm5_jax.commands.generate import GenerateOptions, run_generate
 from glm5_jax.commands.prompts import THINKING_MODES, read_prompts
 from glm5_jax.commands.rollout import load_reward, run_rollout
-from glm5_jax.commands.source import load_source, source_kind, stop_ids
+from glm5_jax.commands.source import load_source, stop_ids
 from glm5_jax.config import DTYPES, ConfigError, load_model_config
 from glm5_jax.config.experiment import load_experiment
 from glm5_jax.config.mesh import MeshConfig
@@ -156,15 +156,12 @@ def _prompts(args, source, path: str | None):
 
 
 def _cmd_generate(args) -> int:
-    source_kind(args.source)
     source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
-    prompts = _prompts(args, source, args.prompts)
-    run_generate(source, prompts, _sampling_options(args, source), as_json=args.json)
+    run_generate(source, _prompts(args, source, args.prompts), _sampling_options(args, source), as_json=args.json)
     return 0
 
 
 def _cmd_eval(args) -> int:
-    source_kind(args.source)
     mesh_items = [item for item in args.overrides if item.startswith("mesh.")]
     source = load_source(args.source, step=args.step, mesh_items=mesh_items, tokenizer=args.tokenizer)
     cfg = eval_config(source, args.data, [o for o in args.overrides if not o.startswith("mesh.")], args.mode)
@@ -175,10 +172,8 @@ def _cmd_eval(args) -> int:
 
 def _cmd_rollout(args) -> int:
     reward = load_reward(args.reward)  # a missing module or function is refused before any model is read
-    source_kind(args.source)
     source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
-    prompts = _prompts(args, source, args.prompts)
-    summary = run_rollout(source, prompts, _sampling_options(args, source, collect_routing=args.routing),
+    summary = run_rollout(source, _prompts(args, source, args.prompts), _sampling_options(args, source, collect_routing=args.routing),
                           reward=reward, samples=args.samples, out=Path(args.out), append=args.append,
                           batch_prompts=args.batch_prompts)
     print(json.dumps(summary))

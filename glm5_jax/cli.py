@@ -32,7 +32,7 @@ from glm5_jax.commands import evaluate, generate, prompts, rollout  # their docs
 from glm5_jax.commands.evaluate import EVAL_MODES, eval_config, run_eval
 from glm5_jax.commands.generate import GenerateOptions, run_generate
 from glm5_jax.commands.prompts import THINKING_MODES, read_prompts
-from glm5_jax.commands.rollout import load_reward, run_rollout
+from glm5_jax.commands.rollout import check_out, load_reward, run_rollout
 from glm5_jax.commands.source import load_source, stop_ids
 from glm5_jax.config import DTYPES, ConfigError, load_model_config
 from glm5_jax.config.experiment import load_experiment
@@ -171,10 +171,13 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_rollout(args) -> int:
-    reward = load_reward(args.reward)  # a missing module or function is refused before any model is read
+    # A missing reward function or an --out that is in the way is refused before any model is read.
+    reward = load_reward(args.reward)
+    existing = check_out(Path(args.out), args.append)
     source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
-    summary = run_rollout(source, _prompts(args, source, args.prompts), _sampling_options(args, source, collect_routing=args.routing),
-                          reward=reward, samples=args.samples, out=Path(args.out), append=args.append,
+    options = _sampling_options(args, source, collect_routing=args.routing)
+    summary = run_rollout(source, _prompts(args, source, args.prompts), options, reward=reward,
+                          samples=args.samples, out=Path(args.out), existing=existing,
                           batch_prompts=args.batch_prompts)
     print(json.dumps(summary))
     return 0

@@ -13,8 +13,10 @@ Nothing is half-written. Prompts are generated `--batch-prompts` at a time; a ba
 are added to FILE only after every reward of the batch was computed, by writing the old records plus the
 new ones beside FILE, fsyncing that file and renaming it over FILE (atomic on POSIX), so a run killed at any
 point leaves FILE as it was after some batch (rewriting the whole file per batch is quadratic in the number
-of batches, negligible next to generation at the sizes one machine rolls out). `--append` continues: prompts whose group id is already in FILE are
-skipped, so nothing is generated twice. Without `--append` an existing FILE is refused.
+of batches, negligible next to generation at the sizes one machine rolls out). `--append` continues:
+prompts whose group id is already in FILE are skipped, so nothing is generated twice; batch k of a prompts
+file samples with the key of its first prompt's place in the file, so a continued run draws what an
+uninterrupted one would (same --batch-prompts). Without `--append` an existing FILE is refused.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def write_atomically(path: Path, records: list[RolloutRecord]) -> None:
 
 
 def run_rollout(source: ModelSource, prompts: list[Prompt], options: GenerateOptions, *, reward: Callable,
-                samples: int, out: Path, append: bool, batch_prompts: int, log=sys.stderr) -> dict:
+                samples: int, out: Path, existing: list[RolloutRecord], batch_prompts: int, log=sys.stderr) -> dict:
+    """Roll out every prompt not yet in `existing` (the records of `out`, from `check_out`)."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise CommandError(f"--samples={samples!r} is invalid: must be an integer >= 1")
     if batch_prompts < 1:
@@ -103,7 +106,6 @@ def run_rollout(source: ModelSource, prompts: list[Prompt], options: GenerateOpt
     options = options.validate(source)
     check_context(prompts, max_new_tokens=options.sampling.max_new_tokens, lookahead=options.speculative,
                   context=source.config.max_position_embeddings)
-    existing = check_out(out, append)
     done_groups = {record.group_id for record in existing}
     todo = [p for p in prompts if p.prompt_id not in done_groups]
     log.write(f"{len(prompts) - len(todo)} of {len(prompts)} prompts already in {out}; rolling out {len(todo)} "

@@ -40,7 +40,9 @@ class ModelSource:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     folder = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit()) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def source_kind(path: str | Path) -> str:

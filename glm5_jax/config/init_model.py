@@ -49,7 +49,8 @@ def agreeing_model(given: dict | None, model: ModelConfig, origin: str) -> dict:
     may change only EXECUTION_FIELDS; `origin` says where `model` comes from in the error."""
     given = dict(given or {})
     wanted = from_dict(ModelConfig, {**dataclasses.asdict(model), **given}, prefix="model.")
-    disagree = [name for name in given if name not in EXECUTION_FIELDS and getattr(wanted, name) != getattr(model, name)]
+    disagree = [name for name in given
+                if name not in EXECUTION_FIELDS and getattr(wanted, name) != getattr(model, name)]
     if disagree:
         fields = "; ".join(f"model.{name}={getattr(wanted, name)!r} but {getattr(model, name)!r} there"
                            for name in disagree)

@@ -233,11 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="*", help="mesh.<axis>=N, plan settings, model.key=value overrides")
     p.set_defaults(func=_cmd_plan, errors=(plan.PlanError, ConfigError, ValueError))
 
-    p = sub.add_parser("compile", help="AOT-compile the training step for a TPU topology on this machine",
+    p = sub.add_parser("compile", help="AOT-compile the training step for a TPU pod or GPU cluster here",
                        description=aot.__doc__.split("\n\n")[0])
     p.add_argument("config", help="experiment YAML (the one `glm5 train` would run)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. mesh.fsdp=64 train.batch_size=128")
-    p.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...) or GEN:GRID")
+    p.add_argument("--topology", required=True, help="Cloud TPU name (v5p-128, v6e-256, ...), GEN:GRID, or a "
+                   "GPU cluster h100-N / h200-N (N GPUs, 8 per node)")
     p.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     p.add_argument("--hlo-out", metavar="FILE", help="write the compiled per-chip HLO text to FILE")
     p.set_defaults(func=_cmd_compile, errors=(ConfigError, aot.CompileError, TopologyError, ValueError),

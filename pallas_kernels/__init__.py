@@ -1,9 +1,11 @@
 """Pallas kernels for DeepSeek Sparse Attention (GLM-5): sparse MLA attention (forward + backward), the
 lightning indexer's scores and top-k, and the indexer KL targets. Each has a jnp reference of the same
 signature in `pallas_kernels.reference`. See README.md in this folder for memory bounds and tie-breaking.
+And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward.
 """
 
 from pallas_kernels._common import NEG_INF
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.indexer_kl_target import dense_attention_target, sparse_attention_target
 from pallas_kernels.indexer_topk import indexer_scores, indexer_topk
 from pallas_kernels.sparse_mla import sparse_mla_attention
@@ -11,6 +13,7 @@ from pallas_kernels.sparse_mla import sparse_mla_attention
 __all__ = [
     "NEG_INF",
     "dense_attention_target",
+    "grouped_matmul",
     "indexer_scores",
     "indexer_topk",
     "sparse_attention_target",

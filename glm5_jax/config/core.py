@@ -44,9 +44,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # (int32 [B, S, N]) but costs O(S x T) to recompute, so the backward pass reads it instead of re-running the indexer.
 ALWAYS_SAVED = ("dsa_topk",)
 _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
+# The routed experts' grouped-matmul outputs (gate and up projections of the received rows): keeping them lets a
+# rematerialised MoE layer's backward skip every routed-expert matmul of the recompute (their weight and input
+# gradients need only these and the re-dispatched rows), at 2 x rows x F values per layer.
+EXPERT_MATMUL_NAMES = ("expert_gate", "expert_up")
 REMAT_POLICIES = {
     "none": None,
     "full": _SAVE_ALWAYS,
+    "full_keep_experts": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *EXPERT_MATMUL_NAMES),
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _SAVE_ALWAYS),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ALWAYS),

@@ -23,9 +23,14 @@ from glm5_jax.config.mesh import BATCH_AXES
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     "seq": (),
-    "embed": ("fsdp",),
-    "q_lora": ("fsdp",),
-    "kv_lora": ("fsdp",),
+    # Weights other than the routed experts are FSDP-sharded over every chip that does not split experts
+    # already: `fsdp`, then `expert` (wide expert parallelism keeps `fsdp` small or 1).
+    "embed": ("fsdp", "expert"),
+    "q_lora": ("fsdp", "expert"),
+    "kv_lora": ("fsdp", "expert"),
+    # A routed expert's model dim: split over `fsdp` only. With `fsdp` 1 every chip holds its experts whole, so
+    # no chip gathers an expert's weights per layer (tokens travel to the experts by all-to-all instead).
+    "expert_embed": ("fsdp",),
     "heads": ("tensor",),
     "head_dim": (),
     "index_heads": ("tensor",),

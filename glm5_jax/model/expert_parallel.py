@@ -1,27 +1,36 @@
 """Expert parallelism (MoE backend `ep`): tokens travel to the devices that own their experts by all-to-all,
-run there as grouped matmuls (`jax.lax.ragged_dot`), and travel back to be combined.
+run there as grouped matmuls, and travel back to be combined; expert weights never move.
 
 Inside `jax.shard_map` tokens are split over the batch axes (`data`, `fsdp`, `expert`) and the routed experts
-over `expert` (E / ep experts per device, gathered over `fsdp`, their hidden width F split over `tensor`; the
-partial outputs are summed over `tensor` at the end). Every device works on fixed-size buffers:
+over `expert` (E / ep experts per device; their model dim over `fsdp` when it is above 1, their hidden width F
+over `tensor`, the partial outputs then summed over `tensor`). The exchange runs among the `ep` devices of one
+`expert` group. Every device:
 
-  send buffer [ep * C, D]: chunk j holds the rows for the experts of expert-rank j, sorted by expert;
-  C = E_local * per-expert capacity, at most t * A (t local tokens, A experts per token).
+1. sorts its t * A assignments (t local tokens, A experts per token) by expert: chunk j of that buffer holds the
+   rows for expert-rank j's experts, in expert order, then token order;
+2. learns every device's chunk sizes (an all-gather of ep counts), and from them where each chunk lands in its
+   receiver's buffer of R rows: sources in rank order, each chunk after the previous one's;
+3. sends its chunks (`jax.lax.ragged_all_to_all`, only the rows that fit travel), runs its local experts on the
+   received rows and sends the results back the same way.
 
-Capacity. `moe_capacity_factor` 0 (the default) is dropless: an expert keeps all its assignments, at most t
-per source device, so C never overflows. With a factor cf > 0 each expert keeps, per source device, the first
-ceil(cf * t * A / E) assignments in token order; later ones are dropped deterministically, contribute
-nothing (the token keeps its other experts and the shared expert) and are counted in
-aux["dropped_assignments"] (summed over all devices).
+Capacity. A receiver holds R rows. `moe_capacity_factor` 0 (the default) is dropless: R is the most one device
+can receive (every source sending it all it could), which only small meshes afford. With a factor cf > 0,
+R = ceil(cf * t * A), cf times an even load: a device's rows overflow only when its experts draw more than cf
+times their share of the whole expert group's tokens, which the aux-loss-free bias keeps rare. Rows past R are
+dropped deterministically (the highest source ranks first, and within a source's chunk its last rows), contribute
+nothing (the token keeps its other experts and the shared expert) and are counted in aux["dropped_assignments"]
+(summed over all devices).
 
-Transport (`ep_transport`): "padded" exchanges whole buffers with `jax.lax.all_to_all` and runs anywhere
-(CPU tests); "ragged" sends only the filled rows with `jax.lax.ragged_all_to_all` into the same layout
-(GPU/TPU; XLA:CPU lacks it); "auto" picks ragged unless the mesh is on CPU.
+Transport (`ep_transport`): "ragged" is `jax.lax.ragged_all_to_all` (GPU/TPU; XLA:CPU lacks it); "padded" is the
+same exchange built from `jax.lax.all_to_all` of chunks padded to the largest possible chunk (runs anywhere: the
+CPU tests), and "auto" picks ragged unless the mesh is on CPU. Both use the same offsets, so both give the same
+result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -47,16 +56,24 @@ class ExpertParallelError(ValueError):
 class DispatchLayout:
     """Static sizes of one device's dispatch buffers."""
 
-    local_tokens: int        # t
-    top_k: int               # A
-    n_experts: int           # E
-    expert_shards: int       # ep
-    expert_capacity: int     # assignments one expert keeps from one source device
-    pair_capacity: int       # C: rows one device sends to one expert rank
+    local_tokens: int   # t
+    top_k: int          # A
+    n_experts: int      # E
+    expert_shards: int  # ep
+    receive_rows: int   # R: rows one device's experts receive
 
     @property
     def local_experts(self) -> int:
         return self.n_experts // self.expert_shards
+
+    @property
+    def assignments(self) -> int:
+        return self.local_tokens * self.top_k
+
+    @property
+    def largest_chunk(self) -> int:
+        """The most rows one source can send one expert rank: all its assignments, at most t per expert."""
+        return min(self.assignments, self.local_experts * self.local_tokens)
 
 
 def capacity_settings(config) -> tuple[float, str]:
@@ -73,12 +90,9 @@ def capacity_settings(config) -> tuple[float, str]:
 
 def dispatch_layout(local_tokens: int, top_k: int, n_experts: int, expert_shards: int,
                     capacity_factor: float) -> DispatchLayout:
-    if capacity_factor > 0:
-        capacity = min(local_tokens, math.ceil(capacity_factor * local_tokens * top_k / n_experts))
-    else:
-        capacity = local_tokens  # an expert appears at most once among a token's choices
-    pair = min(local_tokens * top_k, (n_experts // expert_shards) * capacity)
-    return DispatchLayout(local_tokens, top_k, n_experts, expert_shards, capacity, pair)
+    most = expert_shards * min(local_tokens * top_k, (n_experts // expert_shards) * local_tokens)
+    rows = most if capacity_factor == 0 else min(most, math.ceil(capacity_factor * local_tokens * top_k))
+    return DispatchLayout(local_tokens, top_k, n_experts, expert_shards, rows)
 
 
 def _token_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -114,103 +128,110 @@ def _validate(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.A
                                   f"(data * fsdp * expert = {shards} devices): make batch * seq divisible by it")
 
 
-def _assignments(expert_ids: jax.Array, layout: DispatchLayout):
-    """Per assignment (token-major order): kept?, its row in the send buffer; and the kept counts [ep, E_local]."""
-    flat = expert_ids.reshape(-1)
-    n = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.bincount(flat, length=layout.n_experts).astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(n, dtype=jnp.int32) - starts[flat[order]]
-    rank = jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)  # rank within its expert
-    keep = rank < layout.expert_capacity
-    kept_counts = jnp.minimum(counts, layout.expert_capacity)
-    kept_before = jnp.cumsum(kept_counts) - kept_counts  # kept assignments of lower-numbered experts
-    dest = flat // layout.local_experts
-    dest_start = kept_before.reshape(layout.expert_shards, layout.local_experts)[:, 0]
-    slot = kept_before[flat] - dest_start[dest] + rank
-    out_of_range = layout.expert_shards * layout.pair_capacity
-    row = jnp.where(keep, dest * layout.pair_capacity + slot, out_of_range)
-    return keep, row, kept_counts.reshape(layout.expert_shards, layout.local_experts)
+def receive_plan(sent: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """sent [source, receiver]: rows each source has for each receiver -> (accepted, offsets), both [source,
+    receiver]: how many of them fit in the receiver's `rows` (sources in rank order) and where they start."""
+    before = jnp.cumsum(sent, axis=0) - sent
+    return jnp.clip(rows - before, 0, sent), jnp.minimum(before, rows)
 
 
-def _receiver_expert_of_rows(recv_counts: jax.Array, layout: DispatchLayout) -> jax.Array:
-    """Local expert of every received row ([ep * C]); E_local marks empty padding rows."""
-    ends = jnp.cumsum(recv_counts, axis=1)  # [ep, E_local], chunks arrive sorted by expert
-    position = jnp.arange(layout.pair_capacity, dtype=jnp.int32)
-    expert = jax.vmap(lambda chunk_ends: jnp.searchsorted(chunk_ends, position, side="right"))(ends)  # [ep, C]
-    return expert.reshape(-1).astype(jnp.int32)
+def _row_experts(recv_counts: jax.Array, accepted: jax.Array, layout: DispatchLayout) -> jax.Array:
+    """Local expert of every received row ([R]); E_local marks empty rows. recv_counts [source, E_local] are the
+    rows each source has for each of my experts (its chunk, in expert order), accepted [source] how many of its
+    chunk fit; the rows lie source by source, each chunk's accepted prefix in expert order."""
+    kept = jnp.clip(accepted[:, None] - (jnp.cumsum(recv_counts, axis=1) - recv_counts), 0, recv_counts)
+    segment = jnp.searchsorted(jnp.cumsum(kept.reshape(-1)), jnp.arange(layout.receive_rows), side="right")
+    return jnp.where(segment < kept.size, segment % layout.local_experts, layout.local_experts).astype(jnp.int32)
 
 
-def _run_local_experts(experts: dict, recv: jax.Array, recv_counts: jax.Array, layout: DispatchLayout,
-                       blocked: bool) -> jax.Array:
-    """Grouped SwiGLU of the received rows, returned in the receive-buffer layout (padding rows zero).
-    `blocked` (CPU, whose `ragged_dot` multiplies every row by every local expert) runs the expert-blocked
-    matmuls of `glm5_jax.model.blocked_experts` instead, padding rows given weight 0."""
-    expert = _receiver_expert_of_rows(recv_counts, layout)
+def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout: DispatchLayout,
+                       platform: str) -> jax.Array:
+    """Grouped SwiGLU of the received rows, returned in the receive-buffer layout (empty rows zero). On CPU, whose
+    `ragged_dot` multiplies every row by every local expert, the expert-blocked matmuls of
+    `glm5_jax.model.blocked_experts` run instead, empty rows given weight 0."""
     filled = expert < layout.local_experts
-    if blocked:
+    if platform == "cpu":
         ids = jnp.where(filled, expert, 0)[:, None]
         return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
     order = jnp.argsort(expert, stable=True)
-    out_sorted = grouped_swiglu(experts, recv[order], recv_counts.sum(0).astype(jnp.int32))
+    group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
+    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, platform)
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)
     return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)
 
 
+def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                             axis_name: str, largest_chunk: int):
+    """`jax.lax.ragged_all_to_all`'s semantics (chunk j of `operand`, [input_offsets[j], + send_sizes[j]), lands
+    in peer j's `output` at output_offsets[j]) from `jax.lax.all_to_all` of chunks padded to `largest_chunk`
+    rows: for XLA:CPU, which has no ragged collective."""
+    position = jnp.arange(largest_chunk)
+    rows = operand.shape[0]
+    source = jnp.clip(input_offsets[:, None] + position[None, :], 0, rows - 1)  # [peers, chunk]
+    chunks = jnp.where((position[None, :] < send_sizes[:, None])[..., None], operand[source], 0)
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, chunk, D], by source
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my output offset in each source
+    target = jnp.where(position[None, :] < recv_sizes[:, None], where[:, None] + position[None, :], output.shape[0])
+    return output.at[target.reshape(-1)].set(received.reshape(-1, operand.shape[-1]), mode="drop")
+
+
+def _exchange(transport: str, layout: DispatchLayout):
+    """The collective that moves chunks over the expert axis (None: one device, nothing to move)."""
+    if layout.expert_shards == 1:
+        return None
+    if transport == "ragged":
+        return functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS)
+    return functools.partial(padded_ragged_all_to_all, axis_name=EXPERT_AXIS, largest_chunk=layout.largest_chunk)
+
+
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                              layout: DispatchLayout, exchange, blocked: bool) -> tuple[jax.Array, jax.Array]:
-    """One device's share: (routed output [t, D], assignments dropped here)."""
+                              layout: DispatchLayout, exchange, platform: str) -> tuple[jax.Array, jax.Array]:
+    """One device's share: (routed output [t, D], assignments dropped here). `exchange` None: one device."""
     t, top_k = expert_ids.shape
-    keep, row, send_counts = _assignments(expert_ids, layout)
-    rows = layout.expert_shards * layout.pair_capacity
-    token_of = jnp.arange(t * top_k) // top_k
-    send = jnp.zeros((rows, x.shape[1]), x.dtype).at[row].add(x[token_of], mode="drop")
-    recv, recv_counts, send_back = exchange(send, send_counts)
-    back = send_back(_run_local_experts(experts, recv, recv_counts, layout, blocked))
-    gathered = back[jnp.minimum(row, rows - 1)]
-    scale = jnp.where(keep, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
-    routed = (gathered * scale).reshape(t, top_k, -1).sum(1)
-    dropped = (t * top_k - send_counts.sum()).astype(jnp.int32)
+    ep, local = layout.expert_shards, layout.local_experts
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted row -> assignment
+    counts = jnp.bincount(flat, length=layout.n_experts).astype(jnp.int32).reshape(ep, local)
+    sent = counts.sum(1)  # [ep] my rows for each expert rank
+    starts = jnp.cumsum(sent) - sent  # where each chunk starts in my sorted buffer
+    send = x[order // top_k]
+    if exchange is None:
+        accepted, _ = receive_plan(sent[None, :], layout.receive_rows)
+        recv = jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype).at[:layout.assignments].set(
+            send[:layout.receive_rows])
+        out = _run_local_experts(experts, recv, _row_experts(counts, accepted[:, 0], layout), layout, platform)
+        back = jnp.zeros_like(send).at[:layout.receive_rows].set(out[:layout.assignments])
+        mine = accepted[0]
+    else:
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        everyone = jax.lax.all_gather(sent, EXPERT_AXIS)  # [source, receiver]
+        accepted, offsets = receive_plan(everyone, layout.receive_rows)
+        mine = accepted[me]
+        recv = exchange(send, jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype), starts, mine, offsets[me],
+                        accepted[:, me])
+        recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [source, E_local]
+        out = _run_local_experts(experts, recv, _row_experts(recv_counts, accepted[:, me], layout), layout,
+                                 platform)
+        source_starts = (jnp.cumsum(everyone, axis=1) - everyone)[:, me]  # my chunk's start at each source
+        back = exchange(out, jnp.zeros_like(send), offsets[:, me], accepted[:, me], source_starts, mine)
+    rank = jnp.arange(layout.assignments) - starts[flat[order] // local]  # row's place in its chunk
+    keep_sorted = rank < mine[flat[order] // local]
+    kept = jnp.zeros((layout.assignments,), bool).at[order].set(keep_sorted, unique_indices=True)
+    combined = jnp.zeros_like(send).at[order].set(back, unique_indices=True)
+    scale = jnp.where(kept, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
+    routed = (combined * scale).reshape(t, top_k, -1).sum(1)
+    dropped = (layout.assignments - mine.sum()).astype(jnp.int32)
     return routed, dropped
-
-
-def _local_exchange(send, send_counts):
-    return send, send_counts, lambda out: out
 
 
 def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                               layout: DispatchLayout, platform: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """One device's buffers and computation with the all-to-all replaced by the identity: the single-device
-    path when `layout.expert_shards` is 1, and, for more shards, a shape-exact stand-in the planner traces."""
-    blocked = (platform or jax.default_backend()) == "cpu"
-    return _dispatch_compute_combine(experts, x, expert_ids, weights, layout, _local_exchange, blocked)
-
-
-def _collective_exchange(layout: DispatchLayout, transport: str):
-    """All-to-all over the expert axis: returns (recv buffer, recv counts [ep, E_local], the way back)."""
-    c = layout.pair_capacity
-
-    def exchange(send, send_counts):
-        recv_counts = jax.lax.all_to_all(send_counts, EXPERT_AXIS, 0, 0, tiled=True)
-        if transport == "padded":
-            recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
-            return recv, recv_counts, lambda out: jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0, tiled=True)
-        # Ragged: chunk j of my send buffer lands at rows [me * C, me * C + n) of rank j's buffer, the same
-        # layout the padded exchange produces, but only the n filled rows travel.
-        chunk_starts = jnp.arange(layout.expert_shards, dtype=jnp.int32) * c
-        my_slot = jnp.full((layout.expert_shards,), jax.lax.axis_index(EXPERT_AXIS) * c, jnp.int32)
-        sent, received = send_counts.sum(1).astype(jnp.int32), recv_counts.sum(1).astype(jnp.int32)
-        recv = jax.lax.ragged_all_to_all(send, jnp.zeros_like(send), chunk_starts, sent, my_slot, received,
-                                         axis_name=EXPERT_AXIS)
-
-        def send_back(out):
-            return jax.lax.ragged_all_to_all(out, jnp.zeros_like(out), chunk_starts, received, my_slot, sent,
-                                             axis_name=EXPERT_AXIS)
-        return recv, recv_counts, send_back
-
-    return exchange
+    """One device's buffers and computation with no collective: the single-device path, and the shape stand-in
+    the planner traces (the buffers of `layout` are kept whatever its number of shards)."""
+    single = dataclasses.replace(layout, n_experts=layout.local_experts, expert_shards=1)
+    return _dispatch_compute_combine(experts, x, expert_ids % single.n_experts, weights, single, None,
+                                     platform or jax.default_backend())
 
 
 def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, config,
@@ -235,8 +256,8 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     expert_shards = mesh_axis_size(mesh, EXPERT_AXIS)
     _validate(experts, x, expert_ids, weights, shards, expert_shards)
     layout = dispatch_layout(x.shape[0] // shards, expert_ids.shape[1], n_experts, expert_shards, capacity_factor)
-    exchange = _collective_exchange(layout, _resolve_transport(transport, mesh))
-    blocked = {device.platform for device in mesh.devices.flat} == {"cpu"}
+    exchange = _exchange(_resolve_transport(transport, mesh), layout)
+    platform = mesh.devices.flat[0].platform
     # F split over `tensor` when it divides; the partial outputs are then summed over `tensor`.
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), experts["gate_proj"].shape, mesh)
     down_spec = logical_to_spec(("experts", "expert_mlp", None), experts["down_proj"].shape, mesh)
@@ -244,8 +265,12 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     token_spec = PartitionSpec(token_axes)
 
     def local(experts_local, x_local, ids_local, weights_local):
-        routed, dropped = _dispatch_compute_combine(experts_local, x_local, ids_local, weights_local, layout,
-                                                    exchange, blocked)
+        if exchange is None:
+            routed, dropped = dispatch_without_exchange(experts_local, x_local, ids_local, weights_local, layout,
+                                                        platform)
+        else:
+            routed, dropped = _dispatch_compute_combine(experts_local, x_local, ids_local, weights_local, layout,
+                                                        exchange, platform)
         if tensor_split:
             routed = jax.lax.psum(routed, TENSOR_AXIS)
         return routed, jax.lax.psum(dropped, token_axes)

@@ -1,13 +1,19 @@
 """The routed experts' SwiGLU on one device: every expert on every token (the reference), and the dropless
 sort-by-expert dispatch with grouped matmuls (`ragged`). Expert parallelism (`expert_parallel`) runs the same
-grouped matmuls on each device's share of the experts."""
+grouped matmuls on each device's share of the experts.
+
+The one place the grouped matmuls are chosen: `grouped_swiglu` runs `pallas_kernels.grouped_matmul` for the
+platform compiled for (megablox kernels on TPU, Triton kernels on GPU, `ragged_dot` on CPU, where the model
+itself uses the blocked layout of `blocked_experts` instead)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.blocked_experts import experts_blocked
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
@@ -22,12 +28,25 @@ def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weight
     return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
 
 
-def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """SwiGLU of rows already sorted by expert; `group_sizes` [E] rows per expert (grouped matmuls)."""
+def compiled_platform(platform: str | None) -> str:
+    """`platform` if given; else that of the mesh being traced under (inside `shard_map` it names the devices
+    compiled for, such as a TPU pod described on a CPU host), else the default backend."""
+    if platform is not None:
+        return platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
+                   platform: str | None = None) -> jax.Array:
+    """SwiGLU of rows already sorted by expert; `group_sizes` int32 [E] rows per expert; rows past their sum
+    give zeros. Grouped matmuls for `platform` (see `compiled_platform`)."""
     dtype = x_sorted.dtype
-    gate = jax.lax.ragged_dot(x_sorted, experts["gate_proj"].astype(dtype), group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, experts["up_proj"].astype(dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"].astype(dtype), group_sizes)
+    platform = compiled_platform(platform)
+    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform=platform)  # noqa: E731
+    gate = checkpoint_name(matmul(x_sorted, experts["gate_proj"]), "expert_gate")  # remat "full_keep_experts"
+    up = checkpoint_name(matmul(x_sorted, experts["up_proj"]), "expert_up")
+    return matmul(jax.nn.silu(gate) * up, experts["down_proj"])
 
 
 def experts_gathered(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
@@ -44,19 +63,20 @@ def experts_gathered(experts: dict, x: jax.Array, expert_ids: jax.Array, weights
 def experts_ragged(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                    platform: str | None = None) -> jax.Array:
     """Dropless dispatch: sort the T*A assignments by expert, grouped matmuls, weighted unsort-and-sum.
-    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `jax.lax.ragged_dot`;
+    On CPU the grouped matmul uses the blocked layout (`experts_blocked`), elsewhere `grouped_swiglu`'s kernels;
     with no more assignments than experts (decode steps) each assignment gathers its expert's weights.
-    `platform` is the one compiled for (default: the default backend)."""
+    `platform` is the one compiled for (default: see `compiled_platform`)."""
     n_tokens, top_k = expert_ids.shape
     if n_tokens * top_k <= experts["gate_proj"].shape[0]:
         return experts_gathered(experts, x, expert_ids, weights)
-    if (platform or jax.default_backend()) == "cpu":
+    platform = compiled_platform(platform)
+    if platform == "cpu":
         return experts_blocked(experts, x, expert_ids, weights)
     n_experts = experts["gate_proj"].shape[0]
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     token_of = order // top_k
     group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes)
+    out_sorted = grouped_swiglu(experts, x[token_of], group_sizes, platform)
     out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
     return jnp.zeros_like(x).at[token_of].add(out_sorted)

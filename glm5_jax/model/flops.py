@@ -36,13 +36,15 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int, sparse: bool = 
     return projections + core + indexer
 
 
-def layer_flops_per_token(config: ModelConfig, seq_len: int, moe: bool) -> float:
+def moe_flops_per_token(config: ModelConfig) -> float:
+    """Router, the A routed experts and the shared experts of one MoE block, forward."""
     d = config.hidden_size
-    if moe:
-        ffn = 2 * d * config.n_routed_experts + 6 * d * config.moe_intermediate_size * (
-            config.num_experts_per_tok + config.n_shared_experts)
-    else:
-        ffn = 6 * d * config.intermediate_size
+    return 2 * d * config.n_routed_experts + 6 * d * config.moe_intermediate_size * (
+        config.num_experts_per_tok + config.n_shared_experts)
+
+
+def layer_flops_per_token(config: ModelConfig, seq_len: int, moe: bool) -> float:
+    ffn = moe_flops_per_token(config) if moe else 6 * config.hidden_size * config.intermediate_size
     return attention_flops_per_token(config, seq_len) + ffn
 
 

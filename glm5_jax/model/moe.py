@@ -29,9 +29,9 @@ class RoutedExperts(ParamModule):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
         std = config.initializer_range
         d, e, f = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
-        self.gate_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
-        self.up_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "embed", "expert_mlp"))
-        self.down_proj = param(normal(rngs, (e, f, d), std, dtype), ("experts", "expert_mlp", "embed"))
+        self.gate_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "expert_embed", "expert_mlp"))
+        self.up_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "expert_embed", "expert_mlp"))
+        self.down_proj = param(normal(rngs, (e, f, d), std, dtype), ("experts", "expert_mlp", "expert_embed"))
 
 
 class MoE(ParamModule):

@@ -239,20 +239,28 @@ def activation_bytes(config: ModelConfig, sizes: dict[str, int], batch: int, seq
     return {"saved": saved, "working_set": int(layers * max(layer_none.values())) + logits_cotangent}
 
 
+def _gather_sizes(names: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
+    """The mesh axes a weight is all-gathered over before use (FSDP): `fsdp` and `expert`, except that a routed
+    expert's split over `expert` is expert parallelism (its tokens travel to it; it is never gathered)."""
+    axes = ("fsdp",) if "experts" in names else ("fsdp", EXPERT_AXIS)
+    return {axis: sizes[axis] for axis in axes}
+
+
 def _fsdp_gather_bytes(params, sizes: dict[str, int]) -> int:
-    """One layer's weights gathered over `fsdp` plus their gradients before the reduce-scatter."""
-    if sizes["fsdp"] == 1:
-        return 0
+    """One layer's weights gathered over their FSDP axes plus their gradients before the reduce-scatter."""
     specs = param_specs(params, sizes)
     largest = 0
     for kind in ("dense_layers", "moe_layers"):
         if kind not in params:
             continue
-        leaves = jax.tree.leaves(params[kind])
+        leaves = jax.tree_util.tree_flatten_with_path(params[kind])[0]
         layer_specs = jax.tree.leaves(specs[kind], is_leaf=_is_spec)
-        gathered = sum(_nbytes(leaf) // leaf.shape[0] // _shards(spec, {**sizes, "fsdp": 1})
-                       for leaf, spec in zip(leaves, layer_specs))
-        largest = max(largest, gathered)
+        gathered = sum(_nbytes(leaf) // leaf.shape[0]
+                       // _shards(spec, {**sizes, **dict.fromkeys(_gather_sizes(path_names(path), sizes), 1)})
+                       for (path, leaf), spec in zip(leaves, layer_specs))
+        whole = sum(_nbytes(leaf) // leaf.shape[0] // _shards(spec, sizes)
+                    for (_, leaf), spec in zip(leaves, layer_specs))
+        largest = max(largest, gathered if gathered > whole else 0)
     return 2 * largest
 
 
@@ -270,14 +278,14 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
                         batch: int, seq: int) -> dict[str, int]:
     """Bytes each device sends per step (one microbatch, forward and backward) by kind of collective."""
     specs = param_specs(params, sizes)
-    fsdp = sizes["fsdp"]
     fsdp_gather = grad_reduce_scatter = grad_all_reduce = 0
-    for leaf, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec)):
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(specs, is_leaf=_is_spec)):
         shard = _nbytes(leaf) // _shards(spec, sizes)
         used = _spec_axes(spec)
-        if "fsdp" in used:
-            fsdp_gather += 2 * (fsdp - 1) * shard  # forward, then again for the backward
-            grad_reduce_scatter += (fsdp - 1) * shard
+        group = math.prod(size for axis, size in _gather_sizes(path_names(path), sizes).items() if axis in used)
+        fsdp_gather += 2 * (group - 1) * shard  # forward, then again for the backward
+        grad_reduce_scatter += (group - 1) * shard
         replicas = math.prod(sizes[a] for a in BATCH_AXES if a not in used)
         grad_all_reduce += 2 * (replicas - 1) * shard // replicas
     recompute = 0 if config.remat_policy == "none" else 1
@@ -294,7 +302,7 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
         factor, _ = capacity_settings(config)
         layout = dispatch_layout(tokens, config.num_experts_per_tok, config.n_routed_experts, ep, factor)
         padded = _planned_transport(config) == "padded"
-        rows = ep * layout.pair_capacity if padded else tokens * config.num_experts_per_tok
+        rows = ep * layout.largest_chunk if padded else tokens * config.num_experts_per_tok
         expert_all_to_all = moe_layers * passes * 2 * (ep - 1) * rows * config.hidden_size * act // ep
 
     tp = sizes["tensor"]

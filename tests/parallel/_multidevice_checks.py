@@ -17,6 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -93,20 +94,25 @@ def moe_inputs(key):
     return params, x, jax.random.normal(k_probe, x.shape)
 
 
-def hand_kept(expert_ids: np.ndarray, shards: int, capacity: int, n_experts: int) -> np.ndarray:
-    """Per source shard (contiguous token blocks), each expert keeps its first `capacity` assignments in
-    token order; computed with loops, independently of the library's sort-based bookkeeping."""
+def hand_kept(expert_ids: np.ndarray, shards: int, expert_shards: int, rows: int, n_experts: int) -> np.ndarray:
+    """Each expert rank fills its `rows` receive rows from the sources of its expert group in rank order, each
+    source's rows for it in expert order, then token order; the rest are dropped. Computed with loops,
+    independently of the library's sort-based bookkeeping. Token shards are contiguous blocks; shard k is
+    source k % expert_shards of group k // expert_shards."""
     n_tokens, top_k = expert_ids.shape
-    per_shard = n_tokens // shards
+    per_shard, local = n_tokens // shards, n_experts // expert_shards
     kept = np.zeros(expert_ids.shape, bool)
-    for shard in range(shards):
-        used = np.zeros(n_experts, int)
-        for token in range(shard * per_shard, (shard + 1) * per_shard):
-            for slot in range(top_k):
-                expert = expert_ids[token, slot]
-                if used[expert] < capacity:
-                    kept[token, slot] = True
-                    used[expert] += 1
+    for group in range(shards // expert_shards):
+        for rank in range(expert_shards):
+            filled = 0
+            for source in range(expert_shards):
+                first = (group * expert_shards + source) * per_shard
+                for expert in range(rank * local, (rank + 1) * local):
+                    for token in range(first, first + per_shard):
+                        for slot in range(top_k):
+                            if expert_ids[token, slot] == expert:
+                                kept[token, slot] = filled < rows
+                                filled += 1
     return kept
 
 
@@ -157,9 +163,9 @@ def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: 
         shards = token_shards(mesh)
         per_shard = x.shape[0] * x.shape[1] // shards
         top_k, n_experts = config.num_experts_per_tok, config.n_routed_experts
-        capacity = min(per_shard, math.ceil(capacity_factor * per_shard * top_k / n_experts))
+        rows = math.ceil(capacity_factor * per_shard * top_k)
         ids = jax.jit(lambda p, x: route(p, x.reshape(-1, x.shape[-1]), config)[0])(params, x)
-        kept = hand_kept(np.asarray(ids), shards, capacity, n_experts)
+        kept = hand_kept(np.asarray(ids), shards, mesh.shape["expert"], rows, n_experts)
         want_dropped = int((~kept).sum())
         assert want_dropped > 0, f"{name}: the case must force drops"
         want_out, _, want_grads = hand_moe(params, x, probe, jnp.asarray(kept))
@@ -179,53 +185,44 @@ def reference_backend(inputs):
 
 
 def check_dropped_tokens_get_shared_expert_only(mesh_sizes: dict, inputs):
-    """Every token picks experts 0 and 1 (routing replay); with capacity 1 per shard only each shard's first
-    token keeps them, every other token's output must be exactly the shared expert's."""
-    config = tiny(moe_backend="ep", moe_capacity_factor=0.5)
+    """Every token picks experts 0 and 1 (routing replay), both on expert rank 0. With one receive row per device
+    only the first row of each expert group's first source fits: its first token keeps expert 0; every other
+    assignment is dropped, and every other token's output must be exactly the shared expert's."""
     mesh = mesh_of(**mesh_sizes)
+    shards, expert_shards = token_shards(mesh), mesh.shape["expert"]
     params, x, _ = inputs
     b, s, d = x.shape
+    per_shard = b * s // shards
+    config = tiny(moe_backend="ep", moe_capacity_factor=1 / (2 * per_shard))
+    assert math.ceil(config.moe_capacity_factor * per_shard * 2) == 1
     choices = jnp.broadcast_to(jnp.arange(config.num_experts_per_tok, dtype=jnp.int32), (b, s, 2))
     out, aux = jax.jit(lambda p, x: moe_block(p, x, jnp.ones((b, s), bool), config, choices, mesh=mesh))(params, x)
-    shards = token_shards(mesh)
-    per_shard = b * s // shards
-    capacity = min(per_shard, math.ceil(0.5 * per_shard * 2 / config.n_routed_experts))
-    assert capacity == 1
     shared = params["shared_experts"]
     flat, out_flat = x.reshape(b * s, d), np.asarray(out).reshape(b * s, d)
     shared_out = np.asarray(jax.jit(swiglu)(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
                                             shared["down_proj"]["kernel"]))
     first = np.zeros(b * s, bool)
-    first[::per_shard] = True
+    first[::per_shard * expert_shards] = True
     close(out_flat[~first], shared_out[~first], "dropped tokens = shared expert", scaled_atol=1e-5)
     assert np.abs(out_flat[first] - shared_out[first]).max() > 1e-3, "kept tokens must get their experts"
-    assert int(aux["dropped_assignments"]) == shards * (per_shard - 1) * 2
+    assert int(aux["dropped_assignments"]) == b * s * 2 - first.sum()
     print(f"PASS dropped tokens get only the shared expert on {mesh_sizes}")
 
 
 EP_MESHES = [dict(expert=8), dict(data=2, expert=4), dict(data=2, expert=2, tensor=2)]
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
-    """jax.lax.ragged_all_to_all's documented semantics (one slice per peer) built from all_to_all, which
-    XLA:CPU runs: lets the ragged transport's offsets be checked here."""
-    assert axis_index_groups is None
-    peers = jax.lax.axis_size(axis_name)
-    rows = operand.shape[0]
-    position = jnp.arange(rows)
-    source = input_offsets[:, None] + position[None, :]
-    chunks = jnp.where((position[None, :] < send_sizes[:, None])[..., None],
-                       operand[jnp.clip(source, 0, rows - 1)], 0)
-    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, rows, D] by source
-    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    out_position = jnp.arange(output.shape[0])
-    result = output
-    for peer in range(peers):
-        local = out_position - where[peer]
-        hit = (local >= 0) & (local < recv_sizes[peer])
-        result = jnp.where(hit[:, None], received[peer][jnp.clip(local, 0, rows - 1)], result)
-    return result
+def emulated_ragged_all_to_all(largest_chunk):
+    """jax.lax.ragged_all_to_all for XLA:CPU, which lacks it: the library's padded exchange, which follows the
+    collective's documented semantics, so the ragged transport's calls are checked here."""
+    from glm5_jax.model.expert_parallel import padded_ragged_all_to_all
+
+    def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+               axis_index_groups=None):
+        assert axis_index_groups is None
+        return padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                        axis_name=axis_name, largest_chunk=largest_chunk)
+    return ragged
 
 
 def group_ep():
@@ -236,7 +233,7 @@ def group_ep():
         check_ep(sizes, 0.6, inputs, None)
     check_dropped_tokens_get_shared_expert_only(dict(data=2, expert=4), inputs)
     # The ragged transport, with XLA:CPU's missing collective emulated from its documented semantics.
-    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
+    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all(largest_chunk=4 * 16 * 2)  # every row of a shard
     check_ep(dict(expert=8), 0.6, inputs, None, transport="ragged")
     check_ep(dict(data=2, expert=2, tensor=2), 0.0, inputs, reference, transport="ragged")
 
@@ -419,6 +416,60 @@ def group_train_step():
         state, _ = pinned(state, mesh_batch)
     assert pinned.jitted._cache_size() == 1, pinned.jitted._cache_size()
     print("PASS three pinned-sharding steps compile one executable")
+    check_wide_expert_parallel_step(train, tokens, batch)
+
+
+def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)
+        if match:
+            shapes.append(tuple(int(d) for d in match.group(1).split(",") if d))
+    return shapes
+
+
+def check_wide_expert_parallel_step(train, tokens, batch):
+    """Wide expert parallelism (`expert` 8, `fsdp` 1): every device keeps its routed expert whole, the other
+    weights are split over all 8 devices, tokens travel by all-to-all; one training step equals one device's
+    in loss and in every parameter's update, and the compiled step gathers no routed-expert weight. The shared
+    expert is made twice as wide as a routed one so the two are told apart by shape in the HLO (and so is F from every other dim)."""
+    import optax
+
+    from glm5_jax.model.transformer import init
+    from glm5_jax.parallel.sharding import init_opt_state_sharded, param_specs, shard_params
+    from glm5_jax.train.step import TrainState, init_train_state, make_train_step
+
+    distinct = dict(moe_intermediate_size=24, n_shared_experts=2)  # F = 24 is no other weight's dim
+    single_config = tiny(moe_backend="ragged", **distinct)
+    wide_config = tiny(moe_backend="ep", **distinct)
+    params = jax.device_get(jax.jit(lambda key: init(single_config, key))(jax.random.key(0)))
+    tx = optax.sgd(1e3)
+    single_state, single_metrics = make_train_step(single_config, train, tx)(
+        init_train_state(jax.tree.map(jnp.asarray, params), tx), batch)
+
+    mesh = mesh_of(expert=8)
+    experts_spec = param_specs(params, mesh)["moe_layers"]["moe"]["experts"]
+    assert experts_spec["gate_proj"] == PartitionSpec(None, "expert", None, None), experts_spec
+    sharded = shard_params(params, mesh)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
+    step = make_train_step(wide_config, train, tx, mesh=mesh)
+    hlo = step.jitted.trace(state, mesh_batch).lower().compile().as_text()
+    mesh_state, mesh_metrics = step(state, mesh_batch)
+
+    close(mesh_metrics["loss"], single_metrics["loss"], "wide EP loss")
+    for (path, old), new, want in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                      jax.tree.leaves(mesh_state.params), jax.tree.leaves(single_state.params)):
+        close(np.asarray(new) - old, np.asarray(want) - old, f"wide EP update {jax.tree_util.keystr(path)}",
+              rtol=1e-4, scaled_atol=1e-4)
+    d, f = single_config.hidden_size, single_config.moe_intermediate_size
+    gathered = [shape for shape in _all_gather_shapes(hlo) if shape[-2:] in ((d, f), (f, d))]
+    assert not gathered, f"routed-expert weights all-gathered in the wide EP step: {gathered}"
+    assert "all-to-all" in hlo, "tokens must travel to the experts by all-to-all"
+    print(f"PASS wide expert parallelism (expert=8): one training step equals the single-device step, no expert "
+          f"weight gathered (loss {float(single_metrics['loss']):.6f})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,9 +477,12 @@ def group_train_step():
 # ---------------------------------------------------------------------------------------------
 
 def compiled_step(overrides: list[str], devices: int):
-    """XLA's per-device FLOPs and memory of the exact step `glm5 train` builds (MTP on, AdamW)."""
+    """Per-device matmul FLOPs (every loop trip counted, as `hlo_stats` does: XLA's cost analysis counts a
+    loop body once, hiding the experts' blocked loop) and XLA's memory of the exact step `glm5 train` builds
+    (MTP on, AdamW)."""
     from glm5_jax.config.experiment import load_experiment
     from glm5_jax.parallel.aot import abstract_train_step
+    from glm5_jax.parallel.hlo_stats import hlo_stats
     from glm5_jax.parallel.plan import PlanSettings, plan
 
     cfg = load_experiment(REPO / "configs" / "tiny.yaml", ["train.batch_size=16", "train.seq_len=128",
@@ -436,13 +490,12 @@ def compiled_step(overrides: list[str], devices: int):
     cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolve(devices))
     jitted, state, batch, _ = abstract_train_step(cfg, jax.devices()[:devices])
     compiled = jitted.trace(state, batch).lower().compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    stats = hlo_stats(compiled.as_text(), devices)
     memory = compiled.memory_analysis()
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
              - memory.alias_size_in_bytes)
     planned = plan(cfg.model, cfg.mesh, PlanSettings(batch=16, seq=128, optimizer="adamw"))
-    return cost["flops"], total, planned["memory_bytes"]["total"]
+    return stats.matmul_flops, total, planned["memory_bytes"]["total"]
 
 
 def group_scaling():
@@ -456,7 +509,8 @@ def group_scaling():
         assert share <= 1.25 / 8, f"{name}: per-device FLOPs are {share:.3f} of one device's (limit {1.25 / 8})"
         ratio = planned / memory
         assert abs(ratio - 1) <= 0.15, f"{name}: plan {planned} vs compiled {memory} bytes (ratio {ratio:.3f})"
-        print(f"PASS {name}: per-device FLOPs {share:.3f} of one device, plan/compiled memory {ratio:.3f}")
+        print(f"PASS {name}: per-device FLOPs {share:.3f} of one device (matmul, every loop trip), plan/compiled "
+              f"memory {ratio:.3f}")
 
 
 GROUPS = {"ep": group_ep, "checkpoint": group_checkpoint, "plan": group_plan, "train_step": group_train_step,

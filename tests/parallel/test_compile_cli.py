@@ -1,19 +1,25 @@
-"""`glm5 compile`: the training step `glm5 train` would run, compiled for a TPU pod by libtpu on this CPU-only
-machine, with the printed per-chip memory equal to XLA's own `memory_analysis()` of that step."""
+"""`glm5 compile`: the training step `glm5 train` would run, compiled for a TPU pod by libtpu or a GPU cluster
+by the CUDA plugin on this CPU-only machine, with the printed per-chip memory equal to XLA's own
+`memory_analysis()` of that step and a roofline over compute, HBM and collectives; and a CPU-only start that
+prints nothing of libtpu or the CUDA plugin."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import pytest
+from xla_env import subprocess_env
 
 from glm5_jax.cli import main
 from glm5_jax.config.experiment import load_experiment
-from glm5_jax.parallel.aot import abstract_train_step
-from glm5_jax.parallel.topology import TopologyError, get_topology
+from glm5_jax.parallel.aot import CompileError, abstract_train_step, roofline
+from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats
+from glm5_jax.parallel.topology import CHIPS, TopologyError, get_topology
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.compute_dtype=bfloat16"]
@@ -52,7 +58,82 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch)
     assert printed == {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
                        "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
     assert report["matmul_flops"] > 0 and report["collective_bytes"], report
-    assert report["roofline"]["bound"] in ("compute", "collectives")
+    roof = report["roofline"]
+    assert roof["bound"] in ("compute", "hbm", "collectives") and report["hbm_traffic_bytes"] > 0
+    assert roof["step_s"] == max(roof["compute_s"], roof["hbm_s"], roof["collective_s"]) > 0
+    assert re.search(r"^roofline: compute [\d.]+ ms, HBM [\d.]+ ms, collectives [\d.]+ ms", out, re.M)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_aot
+def test_compile_for_an_h200_cluster_splits_collectives_by_link(capsys):
+    # 2 nodes of 8: the fsdp groups stay within a node, the data-parallel pairs cross nodes.
+    args = ["mesh.fsdp=8", "mesh.data=2", *SMALL[1:], "train.batch_size=16"]
+    code = main(["compile", str(REPO / "configs" / "tiny.yaml"), "--topology", "h200-16", *args, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["fits"] and report["chips"] == 16 and report["hbm_bytes"] == CHIPS["h200"].hbm_bytes
+    assert report["xla_cost_flops_loops_once"] == 0 and report["matmul_flops"] > 0  # XLA:GPU counts none
+    links = report["collective_bytes_by_link"]
+    assert links[INTRA_NODE] > 0 and links[INTER_NODE] > 0
+    assert sum(links.values()) == pytest.approx(sum(report["collective_bytes"].values()))
+    by_link = report["roofline"]["collective_s_by_link"]
+    assert by_link[INTER_NODE] == pytest.approx(links[INTER_NODE] / CHIPS["h200"].inter_node_bytes_per_s)
+    assert re.search(r"collectives [\d.]+ ms \(", out)
+
+
+def test_gpu_cluster_names_map_to_nodes_of_eight():
+    assert get_topology("h200-64").grid == "1x8x8" and get_topology("h200-64").num_chips == 64
+    assert get_topology("h100-4").grid == "1x1x4"
+    for bad in ("h200-12", "h100-0"):
+        with pytest.raises(TopologyError, match="multiple of 8"):
+            get_topology(bad)
+
+
+@pytest.mark.gpu_aot
+def test_gpu_devices_sit_on_nodes_of_eight():
+    devices = get_topology("h100-16").devices()
+    assert [d.process_index for d in devices] == [i // 8 for i in range(16)]
+    assert "H100" in devices[0].device_kind
+
+
+def _stats(**fields) -> HloStats:
+    return HloStats(matmul_flops=0.0, collective_bytes={}, collective_counts={}, dynamic_loops=0, **fields)
+
+
+def test_roofline_takes_the_largest_bound_and_each_link_at_its_bandwidth():
+    chip = CHIPS["h200"]
+    stats = _stats(hbm_bytes=4.8e12 * 0.5, collective_bytes_by_link={INTRA_NODE: 450e9, INTER_NODE: 50e9 * 2})
+    stats.matmul_flops = 989e12 * 0.25
+    roof = roofline(stats, chip, model_flops=989e12 * 0.2)
+    assert roof["compute_s"] == pytest.approx(0.25) and roof["hbm_s"] == pytest.approx(0.5)
+    assert roof["collective_s_by_link"] == pytest.approx({INTRA_NODE: 1.0, INTER_NODE: 2.0})
+    assert roof["collective_s"] == pytest.approx(3.0) and roof["bound"] == "collectives"
+    assert roof["step_s"] == pytest.approx(3.0) and roof["mfu"] == pytest.approx(0.2 / 3.0)
+
+
+def test_an_mfu_above_one_is_an_error_naming_the_uncounted_kernels():
+    stats = _stats(kernels_without_cost={"sparse_mla_fwd": 78})
+    stats.matmul_flops = 1e12
+    with pytest.raises(CompileError, match="above 100%.*sparse_mla_fwd"):
+        roofline(stats, CHIPS["v5p"], model_flops=2e12)
+    with pytest.raises(CompileError, match="above 100%"):  # nothing counted at all
+        roofline(_stats(), CHIPS["v5p"], model_flops=2e12)
+
+
+@pytest.mark.slow
+def test_a_cpu_machine_starts_without_accelerator_noise():
+    # jax imported first, then the package: the package still keeps jax on CPU, and neither libtpu nor the
+    # CUDA plugin (both installed by the test extra) says anything.
+    env = {key: value for key, value in subprocess_env().items() if key != "JAX_PLATFORMS"}
+    code = "import jax, glm5_jax.cli; print(jax.devices()[0].platform)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "cpu"
+    for noise in ("Failed to find host bounds", "unexpected worker hostname", "Unable to load CUDA", "Traceback"):
+        assert noise not in result.stderr, result.stderr
 
 
 def test_unknown_topology_is_refused_by_name(capsys):

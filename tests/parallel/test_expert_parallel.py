@@ -55,18 +55,21 @@ def test_dropless_equals_reference_outputs_and_gradients(inputs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_capacity_drops_later_tokens_first_and_counts_them(inputs):
+def test_capacity_drops_the_rows_past_the_receive_buffer_and_counts_them(inputs):
+    """One device receives its own assignments in expert order, then token order; R = ceil(cf * T * A) of them
+    fit and the rest are dropped."""
     experts, x, ids, weights = inputs
-    config = dataclasses.replace(CONFIG, moe_capacity_factor=0.5)
-    capacity = int(np.ceil(0.5 * T * A / E))  # 3 assignments per expert
+    config = dataclasses.replace(CONFIG, moe_capacity_factor=0.75)
+    rows = int(np.ceil(0.75 * T * A))  # 36 of the 48 assignments
     kept = np.zeros((T, A), bool)
-    used = np.zeros(E, int)
-    for token in range(T):
-        for slot in range(A):
-            expert = int(ids[token, slot])
-            kept[token, slot] = used[expert] < capacity
-            used[expert] += 1
-    assert 0 < (~kept).sum() < T * A
+    filled = 0
+    for expert in range(E):
+        for token in range(T):
+            for slot in range(A):
+                if int(ids[token, slot]) == expert:
+                    kept[token, slot] = filled < rows
+                    filled += 1
+    assert (~kept).sum() == T * A - rows
     out, aux = jax.jit(lambda e, x, i, w: experts_ep(e, x, i, w, config, None))(experts, x, ids, weights)
     want = jax.jit(experts_reference)(experts, x, ids, weights * kept)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
@@ -86,11 +89,13 @@ def test_moe_block_ep_backend_without_mesh_matches_reference_backend():
 
 def test_dispatch_layout_sizes():
     dropless = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=0.0)
-    assert (dropless.expert_capacity, dropless.pair_capacity, dropless.local_experts) == (16, 32, 2)
-    capped = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=1.0)
-    assert (capped.expert_capacity, capped.pair_capacity) == (4, 8)
-    many_experts = dispatch_layout(local_tokens=4, top_k=8, n_experts=256, expert_shards=8, capacity_factor=0.0)
-    assert many_experts.pair_capacity == 32  # all t * A assignments could target one expert rank
+    # Each of 4 sources may send all 32 of its assignments to one rank (16 per expert, 2 experts there).
+    assert (dropless.receive_rows, dropless.largest_chunk, dropless.local_experts) == (128, 32, 2)
+    capped = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=1.25)
+    assert (capped.receive_rows, capped.largest_chunk) == (40, 32)  # 1.25 x an even load of 32 rows
+    one_expert_each = dispatch_layout(local_tokens=4096, top_k=8, n_experts=256, expert_shards=256,
+                                      capacity_factor=1.25)
+    assert (one_expert_each.receive_rows, one_expert_each.largest_chunk) == (40960, 4096)
 
 
 def test_settings_and_inputs_are_validated(inputs):

@@ -31,6 +31,7 @@ EXPECTED = {
         "checkpoint saved on a 2x4 mesh restores on one device with identical values",
         "one training step on a 2x2x2 mesh equals the single-device step",
         "three pinned-sharding steps compile one executable",
+        "wide expert parallelism (expert=8): one training step equals the single-device step",
     ],
     "scaling": [
         "data=8: per-device FLOPs",

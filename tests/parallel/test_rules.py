@@ -42,8 +42,9 @@ def test_activation_rules_give_batch_every_batch_axis_and_leave_embed_whole():
         P(("data", "fsdp", "expert"), None, None)
     assert logical_to_spec(("batch", "seq", "heads", "head_dim"), (256, 16, 64, 256), SIZES) == \
         P(("data", "fsdp", "expert"), None, "tensor", None)
-    # A batch of 4 only takes the axes that divide it, in order; `fsdp` then goes to the next candidate dim.
-    assert logical_to_spec(("batch", "seq", "embed"), (4, 16, 6144), SIZES) == P("data", None, "fsdp")
+    # A batch of 4 only takes the axes that divide it, in order; `fsdp` and `expert` then go to the next
+    # candidate dim.
+    assert logical_to_spec(("batch", "seq", "embed"), (4, 16, 6144), SIZES) == P("data", None, ("fsdp", "expert"))
     with pytest.raises(ShardingRuleError, match="logical axis 'channels' has no rule"):
         logical_to_spec(("batch", "channels"), (8, 8), SIZES)
 
@@ -53,16 +54,16 @@ def test_glm5_parameter_specs(glm5_params):
     moe, attn = specs["moe_layers"], specs["moe_layers"]["attn"]
     assert moe["moe"]["experts"]["gate_proj"] == P(None, "expert", "fsdp", "tensor")
     assert moe["moe"]["experts"]["down_proj"] == P(None, "expert", "tensor", "fsdp")
-    assert moe["moe"]["router"]["kernel"] == P(None, "fsdp", None)
+    assert moe["moe"]["router"]["kernel"] == P(None, ("fsdp", "expert"), None)
     assert moe["moe"]["e_score_correction_bias"] == P(None, None)
-    assert moe["moe"]["shared_experts"]["gate_proj"]["kernel"] == P(None, "fsdp", "tensor")
-    assert attn["q_b_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
-    assert attn["kv_b_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
-    assert attn["o_proj"]["kernel"] == P(None, "tensor", None, "fsdp")
-    assert specs["embed"]["embedding"] == P("tensor", "fsdp")
-    assert specs["lm_head"]["kernel"] == P("fsdp", "tensor")
-    assert specs["indexers"]["wq_b"]["kernel"] == P(None, "fsdp", "tensor", None)
-    assert specs["mtp"]["eh_proj"]["kernel"] == P("fsdp", None)
+    assert moe["moe"]["shared_experts"]["gate_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor")
+    assert attn["q_b_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
+    assert attn["kv_b_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
+    assert attn["o_proj"]["kernel"] == P(None, "tensor", None, ("fsdp", "expert"))
+    assert specs["embed"]["embedding"] == P("tensor", ("fsdp", "expert"))
+    assert specs["lm_head"]["kernel"] == P(("fsdp", "expert"), "tensor")
+    assert specs["indexers"]["wq_b"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
+    assert specs["mtp"]["eh_proj"]["kernel"] == P(("fsdp", "expert"), None)
     assert specs["final_norm"]["scale"] == P(None)
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
@@ -81,6 +82,21 @@ def test_every_large_glm5_weight_is_fsdp_sharded(glm5_params):
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
         if math.prod(leaf.shape) > 2**20:
             assert "fsdp" in jax.tree.leaves(tuple(spec)), (path_names(path), spec)
+
+
+def test_wide_expert_parallelism_keeps_experts_whole_and_shards_the_rest_over_every_chip(glm5_params):
+    """With `fsdp` 1 and a wide `expert` axis, each chip holds whole experts (nothing to gather per layer) while
+    every other large weight is still split over all the chips."""
+    wide = {"data": 1, "fsdp": 1, "expert": 256, "tensor": 1}
+    specs = param_specs(glm5_params, wide)
+    experts = specs["moe_layers"]["moe"]["experts"]
+    assert experts["gate_proj"] == P(None, "expert", None, None)
+    assert experts["down_proj"] == P(None, "expert", None, None)
+    assert specs["moe_layers"]["attn"]["q_b_proj"]["kernel"] == P(None, "expert", None, None)
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        if math.prod(leaf.shape) > 2**20:
+            assert "expert" in jax.tree.leaves(tuple(spec)), (path_names(path), spec)
 
 
 def test_unknown_parameter_path_and_rank_mismatch_are_errors():
@@ -104,9 +120,9 @@ def test_logical_axes_come_from_the_modules():
 def test_optimizer_state_leaves_follow_their_parameter():
     kv_b = state_leaf_spec(("2", "inner_states", "muon", "mu", "moe_layers", "attn", "kv_b_proj", "kernel", "uk"),
                            (75, 512, 64, 192), SIZES)
-    assert kv_b == P(None, "fsdp", "tensor", None)
+    assert kv_b == P(None, ("fsdp", "expert"), "tensor", None)
     nu = state_leaf_spec(("0", "nu", "embed", "embedding"), (154880, 6144), SIZES)
-    assert nu == P("tensor", "fsdp")
+    assert nu == P("tensor", ("fsdp", "expert"))
     assert state_leaf_spec(("0", "count"), (), SIZES) == P()
     assert state_leaf_spec(("ns_coeffs",), (3,), SIZES) == P()
 

@@ -1,0 +1,77 @@
+"""One GLM-5 MoE layer's training step (router, 256 routed experts, shared expert; forward and backward in bf16)
+compiled for a TPU v5p slice by libtpu on a machine without a TPU, with the routed experts spread over the chips
+(`expert` 4, `fsdp` 1): the compiled step must do the model's matmul work, its grouped matmuls' weight gradients
+included (`jax.lax.ragged_dot`'s transpose is a dense product over every local expert on TPU: 64x here), and
+must gather no routed expert's weights (its tokens travel to it by all-to-all instead).
+
+The capacity factor is 1.0 so the receive buffers hold exactly the even load: the grouped matmul kernel declares
+its cost for every buffer row, and this test counts the work the program is built to do, not the padding a
+larger factor would add (the pod recipes report that separately)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from glm5_jax.config import load_model_config
+from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.distributed.mesh import make_mesh
+from glm5_jax.model.flops import moe_flops_per_token
+from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.variables import logical_axes
+from glm5_jax.parallel.hlo_stats import hlo_stats
+from glm5_jax.parallel.topology import get_topology
+
+from xla_env import REPO
+
+TOKENS_PER_CHIP = 4096
+
+
+def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    import re
+
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)
+        if match:
+            shapes.append(tuple(int(d) for d in match.group(1).split(",") if d))
+    return shapes
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_moe_layer_step_for_v5p_does_the_model_flops_and_gathers_no_expert_weight():
+    config = dataclasses.replace(load_model_config(REPO / "configs" / "glm5_744b.yaml"), moe_backend="ep",
+                                 moe_capacity_factor=1.0, param_dtype="bfloat16").validate()
+    devices = get_topology("v5p-8").devices()  # 4 chips
+    mesh = make_mesh(MeshConfig(expert=len(devices)), devices)
+    state = nnx.state(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.bfloat16)))
+    params = nnx.to_pure_dict(jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+            mesh, logical_to_spec(logical_axes(v), v.shape, mesh))), state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    rows = len(devices)
+    tokens = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    x = jax.ShapeDtypeStruct((rows, TOKENS_PER_CHIP, config.hidden_size), jnp.bfloat16, sharding=tokens)
+
+    def loss(params, x):
+        out, _ = moe_block(params, x, jnp.ones(x.shape[:2], bool), config, mesh=mesh)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower().compile()
+    text = compiled.as_text()
+    stats = hlo_stats(text, len(devices))
+    model = 3 * moe_flops_per_token(config) * TOKENS_PER_CHIP  # forward + backward, per chip
+    ratio = stats.matmul_flops / model
+    assert 0.95 <= ratio <= 1.1, (ratio, dict(list(stats.flops_by_source.items())[:6]))
+    assert "ragged-dot" not in text, "the routed experts must use the grouped matmul kernel, not ragged_dot"
+    d, f = config.hidden_size, config.moe_intermediate_size
+    gathered = [s for s in _all_gather_shapes(text) if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
+    assert not gathered, f"routed-expert weights all-gathered: {gathered}"
+    assert stats.collective_counts.get("ragged-all-to-all", 0) >= 2, stats.collective_counts

@@ -6,7 +6,9 @@ arguments; -1 takes the devices the other axes leave) with the training run's sh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from pathlib import Path
 
 import jax
@@ -88,6 +90,19 @@ def _tokenizer_spec(path: Path, kind: str, run_config: dict | None, given: str |
     return str(path) if kind == "hf" and (path / "tokenizer.json").is_file() else "byte"
 
 
+@contextlib.contextmanager
+def _params_only_restore_quiet():
+    """Orbax warns (through absl's logger) about every checkpoint item a params-only restore leaves unread
+    and about opening a directory read-only: both are what is asked here."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def load_source(path: str | Path, *, step: int | None = None, mesh_items: list[str] = (),
                 tokenizer: str | None = None) -> ModelSource:
     """Check SOURCE, then restore its parameters (the latest step unless `step`) onto the mesh."""
@@ -107,7 +122,8 @@ def load_source(path: str | Path, *, step: int | None = None, mesh_items: list[s
     if step is not None and step not in steps:
         raise CommandError(f"--step={step} is invalid: {path / 'checkpoints'} holds steps {steps}")
     step = steps[-1] if step is None else step
-    params, config = restore_run_params(path.absolute(), mesh, step)  # orbax wants absolute paths
+    with _params_only_restore_quiet():
+        params, config = restore_run_params(path.absolute(), mesh, step)  # orbax wants absolute paths
     return ModelSource(path, kind, params, config, step, run_config, tokenizer, mesh)
 
 

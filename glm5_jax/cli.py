@@ -7,6 +7,12 @@
     glm5 import-hf HF_DIR RUN_DIR [mesh.<axis>=N ...] [--param-dtype D] [--compute-dtype D] [--fp8-dtype D]
                    [--host-budget-gb 8]
     glm5 export-hf RUN_DIR OUT_DIR [mesh.<axis>=N ...] [--max-shard-size 5GB] [--step N] [--no-mtp]
+    glm5 generate SOURCE [mesh.<axis>=N ...] (--prompt TEXT | --prompts FILE.jsonl) [--max-new-tokens N]
+                  [--temperature T] [--top-p P] [--seed S] [--chat] [--thinking on|off|interleaved]
+                  [--speculative N] [--json] [--batch-size N] [--step N] [--tokenizer SPEC]
+    glm5 eval SOURCE DATA [key=value ...] [--mode pretrain|sft] [--batches N] [--step N] [--tokenizer SPEC]
+    glm5 rollout SOURCE PROMPTS.jsonl --out FILE --reward module:function [--samples N] [--append] [--routing]
+                 [sampling and prompt options as generate] [--batch-prompts N]
 
 A user error (config, data, resume, lock, plan settings, ...) ends with one `glm5 <command>: ...` line naming
 the file or field, the value and what is valid, and exit code 2.
@@ -22,6 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from glm5_jax.commands import evaluate, generate, prompts, rollout  # their docstrings are the --help texts
+from glm5_jax.commands.evaluate import EVAL_MODES, eval_config, run_eval
+from glm5_jax.commands.generate import GenerateOptions, run_generate
+from glm5_jax.commands.prompts import THINKING_MODES, read_prompts
+from glm5_jax.commands.rollout import check_out, load_reward, run_rollout
+from glm5_jax.commands.source import load_source, stop_ids
 from glm5_jax.config import DTYPES, ConfigError, load_model_config
 from glm5_jax.config.experiment import load_experiment
 from glm5_jax.config.mesh import MeshConfig
@@ -29,6 +41,7 @@ from glm5_jax.convert.run_dir import mesh_from_overrides, parse_size, restore_ru
 from glm5_jax.convert.sharded_export import export_hf
 from glm5_jax.convert.streaming_import import import_hf, save_imported
 from glm5_jax.distributed.runtime import DistributedError
+from glm5_jax.generation import SamplingParams
 from glm5_jax.model.param_count import count_params
 from glm5_jax.parallel import aot, plan
 from glm5_jax.parallel.topology import TopologyError, get_topology
@@ -130,6 +143,70 @@ def _cmd_export_hf(args) -> int:
     return 0
 
 
+def _sampling_options(args, source, collect_routing: bool = False) -> GenerateOptions:
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                              eos_ids=stop_ids(source))
+    return GenerateOptions(sampling=sampling, seed=args.seed, speculative=args.speculative,
+                           batch_size=getattr(args, "batch_size", 0), collect_routing=collect_routing)
+
+
+def _prompts(args, source, path: str | None):
+    return read_prompts(text=getattr(args, "prompt", None), path=path, tokenizer=source.tokenizer,
+                        vocab_size=source.config.vocab_size, chat=args.chat, thinking=args.thinking)
+
+
+def _cmd_generate(args) -> int:
+    source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
+    run_generate(source, _prompts(args, source, args.prompts), _sampling_options(args, source), as_json=args.json)
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    mesh_items = [item for item in args.overrides if item.startswith("mesh.")]
+    source = load_source(args.source, step=args.step, mesh_items=mesh_items, tokenizer=args.tokenizer)
+    cfg = eval_config(source, args.data, [o for o in args.overrides if not o.startswith("mesh.")], args.mode)
+    summary = run_eval(source, cfg, batches=args.batches)
+    print(json.dumps(summary))
+    return 0
+
+
+def _cmd_rollout(args) -> int:
+    # A missing reward function or an --out that is in the way is refused before any model is read.
+    reward = load_reward(args.reward)
+    existing = check_out(Path(args.out), args.append)
+    source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
+    options = _sampling_options(args, source, collect_routing=args.routing)
+    summary = run_rollout(source, _prompts(args, source, args.prompts), options, reward=reward,
+                          samples=args.samples, out=Path(args.out), existing=existing,
+                          batch_prompts=args.batch_prompts)
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a run directory (glm5 train / glm5 import-hf) or a Hugging Face checkpoint "
+                                  "directory (config.json + safetensors)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=int, help="checkpoint step of a run directory (default: the latest)")
+    p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's data.tokenizer, an HF "
+                                       "directory's tokenizer.json, else byte)")
+
+
+def _add_sampling(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", type=int, default=0, metavar="N",
+                   help="draft N tokens per step with the MTP module (same distribution; greedy: same tokens)")
+    p.add_argument("--chat", action="store_true", help="render text prompts as a user message through the GLM-5 "
+                                                       "chat template ('messages' lines always are)")
+    p.add_argument("--thinking", choices=THINKING_MODES, default="on",
+                   help="chat: think (on), do not (off), or think keeping earlier turns' reasoning (interleaved)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5", description="GLM-5 in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,6 +269,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="default: the latest")
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     p.set_defaults(func=_cmd_export_hf, errors=(ValueError,))
+
+    p = sub.add_parser("generate", help="sample text from a run, an import or a Hugging Face checkpoint",
+                       description=generate.__doc__ + "\n" + prompts.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_source(p)
+    p.add_argument("mesh", nargs="*", help="mesh.<axis>=N (default: the run's mesh: section)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="one prompt text")
+    prompt.add_argument("--prompts", metavar="FILE.jsonl", help="one prompt object per line (see --help)")
+    _add_sampling(p, temperature=1.0)
+    p.add_argument("--json", action="store_true", help="one JSON record per prompt on stdout")
+    p.add_argument("--batch-size", type=int, default=0, help="prompts generated together (0 = all)")
+    _add_model_options(p)
+    p.set_defaults(func=_cmd_generate, errors=(ValueError, FileNotFoundError), intermixed_parser=p)
+
+    p = sub.add_parser("eval", help="held-out loss of a model on a data section", description=evaluate.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_source(p)
+    p.add_argument("data", help="an experiment YAML (its data: and train: sections), a .jsonl file or a directory")
+    p.add_argument("overrides", nargs="*", help="data.key=value / train.key=value (train.seq_len, "
+                                                "train.batch_size, train.eval_batches) or mesh.<axis>=N")
+    p.add_argument("--mode", choices=EVAL_MODES, default="pretrain",
+                   help="sft: chat records, only the loss-masked tokens scored")
+    p.add_argument("--batches", type=int, help="batches scored (default: train.eval_batches)")
+    _add_model_options(p)
+    p.set_defaults(func=_cmd_eval, errors=(ValueError, FileNotFoundError), intermixed_parser=p)
+
+    p = sub.add_parser("rollout", help="sampled rollouts with rewards, written as RL training records",
+                       description=rollout.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_source(p)
+    p.add_argument("prompts", metavar="PROMPTS.jsonl")
+    p.add_argument("mesh", nargs="*", help="mesh.<axis>=N (default: the run's mesh: section)")
+    p.add_argument("--out", required=True, help="rollout file: .jsonl, or ArrayRecord for any other name")
+    p.add_argument("--append", action="store_true", help="add to an existing --out, skipping prompts in it")
+    p.add_argument("--reward", required=True, metavar="MODULE:FUNCTION",
+                   help="called as function(text, prompt_record) -> number, e.g. "
+                        "glm5_jax.examples.rewards:python_line")
+    p.add_argument("--samples", type=int, default=4, help="samples per prompt (one group)")
+    p.add_argument("--routing", action="store_true", help="record expert choices and indexer top-k for replay")
+    p.add_argument("--batch-prompts", type=int, default=8, help="prompts per batch (records written per batch)")
+    _add_sampling(p, temperature=1.0)
+    _add_model_options(p)
+    p.set_defaults(func=_cmd_rollout, errors=(ValueError, FileNotFoundError), intermixed_parser=p)
     return parser
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -35,16 +34,15 @@ from glm5_jax.data.sft import sft_dataset
 from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.data.sharded import ShardedBatches, merge_states, owned_shards
 from glm5_jax.model.flops import training_flops_per_token
-from glm5_jax.model.transformer import forward
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.distributed.runtime import (DistributedError, allgather_json, global_batch, initialize, is_primary,
                                        process_row_block)
 from glm5_jax.parallel.sharding import init_opt_state_sharded, init_sharded, opt_state_shardings, param_shardings
-from glm5_jax.train import losses
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
 from glm5_jax.train.rl_step import rl_optim_config
 from glm5_jax.train.step import TrainState, make_train_step, validate_batch
+from glm5_jax.train.held_out import batch_loss_fn
 from glm5_jax.train.finite_guard import checked_leaf_names, describe_non_finite
 from glm5_jax.train.resume import check_resume_config, default_experiment_dict, drop_metrics_after
 from glm5_jax.train.run_lock import RunLock
@@ -189,14 +187,7 @@ def evaluate(cfg: ExperimentConfig, params, tokenizer, layout: MeshLayout) -> fl
     if cfg.data.source != "stdlib" or cfg.data.validation_fraction == 0:
         return None
     batches, _ = sharded_batches(cfg, tokenizer, split="validation", seed_offset=1)
-
-    @functools.partial(jax.jit, out_shardings=layout.replicated)
-    def batch_loss(p, b):
-        out = forward(p, b["tokens"], config=cfg.model, positions=b["positions"], segment_ids=b["segment_ids"],
-                      return_logits=False, mtp_steps=0, mesh=layout.mesh)
-        return jnp.stack(losses.cross_entropy(out.hidden, p["lm_head"]["kernel"], b["tokens"], b["segment_ids"],
-                                              b["loss_mask"], cfg.train.vocab_chunk))
-
+    batch_loss = batch_loss_fn(cfg.model, cfg.train.vocab_chunk, layout.mesh, layout.replicated)
     total, count = 0.0, 0.0
     for index, batch in enumerate(batches):
         if index >= cfg.train.eval_batches:

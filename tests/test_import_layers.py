@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("glm5_jax.model",)),
     ("train and generation", ("glm5_jax.train", "glm5_jax.generation", "glm5_jax.checkpoint")),
     ("planning and conversion", ("glm5_jax.parallel", "glm5_jax.convert", "glm5_jax.rollout")),
-    ("cli", ("glm5_jax.runner", "glm5_jax.cli")),
+    ("cli", ("glm5_jax.runner", "glm5_jax.commands", "glm5_jax.examples", "glm5_jax.cli")),
 )
 
 

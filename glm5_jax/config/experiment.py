@@ -1,5 +1,6 @@
 """An experiment = one YAML file with sections model / optim / train / data / checkpoint (/ rl), loaded with
-`key=value` overrides (`train.steps=50`, `model.index_topk=64`) and validated before anything compiles."""
+`key=value` overrides (`train.steps=50`, `model.index_topk=64`) and validated before anything compiles.
+With `train.init_from=RUN` the model section may be left out: the model is that run's (`init_model.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from glm5_jax.config.core import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
                                   apply_overrides, from_dict, load_yaml, require_finite_floats)
 from glm5_jax.config.distributed import DistributedConfig
+from glm5_jax.config.init_model import model_for_init_from
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.config.optim import OptimConfig
 
@@ -87,6 +89,12 @@ def experiment_from_dict(data: dict) -> ExperimentConfig:
     for name in [*SECTIONS, "rl"]:
         if data.get(name) is not None and not isinstance(data[name], dict):
             _fail(name, data[name], f"the {name}: section must be a mapping of field: value lines")
+    init_from = (data.get("train") or {}).get("init_from")
+    if isinstance(init_from, str) and init_from:
+        data = {**data, "model": model_for_init_from(data.get("model"), init_from)}
+    elif not data.get("model"):
+        _fail("model", data.get("model"), "the config has no model: section; give one, or set "
+              "train.init_from=RUN to take the model of that run (a `glm5 train` run or a `glm5 import-hf` import)")
     kwargs = {name: from_dict(cls, data.get(name) or {}, prefix=name + ".") for name, cls in SECTIONS.items()
               if name != "mesh"}
     kwargs["mesh"] = from_dict(MeshConfig, default_mesh(data.get("mesh") or {}), prefix="mesh.")

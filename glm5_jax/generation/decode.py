@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -184,6 +184,11 @@ class GenerationOutput:
     acceptance_length: float | None = None    # speculative decoding: mean tokens per verify forward
 
 
+def report_tokens(on_tokens: Callable[[np.ndarray, np.ndarray], None] | None, out: Emitted) -> None:
+    if on_tokens is not None:
+        on_tokens(np.asarray(out.tokens), np.asarray(out.count))
+
+
 def host_output(prompts: np.ndarray, lengths: np.ndarray, out: Emitted, routing: Routing | None,
                 sampling: SamplingParams, acceptance_length: float | None = None) -> GenerationOutput:
     count = np.asarray(out.count)
@@ -206,13 +211,15 @@ def host_output(prompts: np.ndarray, lengths: np.ndarray, out: Emitted, routing:
 
 def generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelConfig,
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None, max_len: int | None = None,
-             collect_routing: bool = False, return_logits: bool = False) -> GenerationOutput:
+             collect_routing: bool = False, return_logits: bool = False,
+             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
     `rng` is the sampling key (default `jax.random.key(0)`). `max_len` fixes the cache length (default:
     longest prompt + max_new_tokens); keep it fixed across calls to reuse the compiled steps.
     `collect_routing` records expert choices and indexer top-k for routing replay; `return_logits` keeps the
-    [B, M, V] logits of every step (tests, debugging)."""
+    [B, M, V] logits of every step (tests, debugging). `on_tokens(tokens [B, M], counts [B])` is called
+    with the host copies of the output so far after every step (streaming; it costs one transfer per step)."""
     check_model(params, config, needs_mtp=False)
     sampling = sampling.validate(config.vocab_size)
     padded, lengths = padded_prompts(prompts, config.vocab_size)
@@ -222,9 +229,11 @@ def generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelCon
     state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config, nucleus=nucleus,
                     max_len=max_len, max_new_tokens=sampling.max_new_tokens, collect_routing=collect_routing,
                     return_logits=return_logits)[0]
+    report_tokens(on_tokens, state.out)
     # Every step emits a token for each unfinished row, so at most max_new_tokens - 1 steps follow prefill.
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.out.done.all()):
             break
         state = decode_step(params, state, values, config=config, nucleus=nucleus)
+        report_tokens(on_tokens, state.out)
     return host_output(padded, lengths, state.out, state.routing, sampling)

@@ -25,7 +25,7 @@ accepted, k + 1 = all accepted), counted before EOS / max_new_tokens truncation.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -34,7 +34,8 @@ import numpy as np
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import KVCache, mtp_cache, run_cached, run_mtp_cached
-from glm5_jax.generation.decode import DecodeState, GenerationOutput, emit, host_output, prefill, record_routing
+from glm5_jax.generation.decode import (DecodeState, GenerationOutput, emit, host_output, prefill, record_routing,
+                                        report_tokens)
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (GenerationError, SamplingParams, SamplingValues, recorded_logprobs,
                                           sample_tokens, sampling_probs, split_sampling)
@@ -172,10 +173,11 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
 def speculative_generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelConfig,
                          sampling: SamplingParams = SamplingParams(), num_draft: int | None = None,
                          rng: jax.Array | None = None, max_len: int | None = None, collect_routing: bool = False,
-                         return_logits: bool = False) -> GenerationOutput:
+                         return_logits: bool = False,
+                         on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
     """`generate` with MTP drafting of `num_draft` tokens per main-model forward (default: the depth the
     shared MTP module was trained with, `config.mtp_num_steps`); same outputs (tokens, logprobs, routing)
-    plus `acceptance_length`. `max_len` must leave `num_draft` slots of lookahead (default: longest prompt +
+    plus `acceptance_length` (`on_tokens` as in `generate`). `max_len` must leave `num_draft` slots of lookahead (default: longest prompt +
     max_new_tokens + num_draft)."""
     check_model(params, config, needs_mtp=True)
     num_draft = config.mtp_num_steps if num_draft is None else num_draft
@@ -191,9 +193,11 @@ def speculative_generate(params: dict, prompts: Sequence[Sequence[int]], *, conf
                              max_len=max_len, max_new_tokens=sampling.max_new_tokens,
                              collect_routing=collect_routing, return_logits=return_logits)
     state = mtp_prefill(params, decode, hidden, prompts_array, lengths_array, config=config)
+    report_tokens(on_tokens, state.decode.out)
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.decode.out.done.all()):
             break
         state = speculative_step(params, state, values, config=config, nucleus=nucleus, num_draft=num_draft)
+        report_tokens(on_tokens, state.decode.out)
     acceptance = mean_acceptance_length(np.asarray(state.accepted), np.asarray(state.verify_steps))
     return host_output(padded, lengths, state.decode.out, state.decode.routing, sampling, acceptance)

@@ -212,13 +212,17 @@ def test_a_short_rl_run_on_a_bandit_task_raises_the_mean_reward(params, adamw_st
 
 
 @pytest.mark.parametrize("name, loss", [("rl_agentic", "double_sided_is"), ("rl_grpo_icepop", "icepop_grpo")])
-def test_rl_recipes_set_the_band_explicitly_and_freeze_the_indexer(name, loss):
+def test_rl_recipes_set_the_band_explicitly_and_freeze_the_indexer(name, loss, tmp_path):
+    import shutil
     from pathlib import Path
 
     from glm5_jax.config.experiment import load_experiment
 
-    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
-    experiment = load_experiment(path)
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    start = tmp_path / "sft"  # the recipes take their model from the run they start from
+    (start / "checkpoints").mkdir(parents=True)
+    shutil.copy(configs / "tiny.yaml", start / "model.yaml")
+    experiment = load_experiment(configs / f"{name}.yaml", [f"train.init_from={start}"])
     rl = rl_step_config_from_dict(experiment.rl)
     assert experiment.train.mode == "rl" and rl.objective.loss == loss
     assert "eps_low" in experiment.rl and "eps_high" in experiment.rl  # given in the file, not defaulted

@@ -227,7 +227,7 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     if resolve_platform(platform) == "tpu":
         return tpu_dense_target(q, latent, q_pos, q_seg, k_seg, scale=float(scale), block_s=block_s,
-                                block_t=block_t, interpret=interpret)
+                                block_t=block_t, interpret=interpret, first_position=static_q_offset(q_offset))
     layout = MlaLayout(heads=heads, latent_dim=_split_point(width), rope_dim=width - _split_point(width),
                        num_slots=1, block_n=MIN_BLOCK)
     heads_p = layout.heads_padded

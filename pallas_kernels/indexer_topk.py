@@ -137,9 +137,8 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool,
 
 
 def _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform, span):
-    if platform == "tpu":
-        return tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
-    return _scores_call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret, span=span)
+    call = tpu_indexer_scores if platform == "tpu" else _scores_call
+    return call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret, span=span)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))

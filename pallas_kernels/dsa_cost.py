@@ -18,6 +18,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kernel_cost import declared_cost
 
+# The queries an indexer score call covers, for its declared cost: (position of query 0 as a Python int, or None
+# when traced; number of queries; calls that split them in equal chunks, 1 unless chunked by `indexer_topk`).
+QuerySpan = tuple[int | None, int, int]
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelCost:
@@ -67,16 +71,16 @@ def gathered_rows_cost(programs: int, row_bytes: int, moved_bytes: int, *, flops
                       bytes_accessed=moved_bytes + programs * row_bytes)
 
 
-def causal_tiles(first_position: int | None, num_queries: int, calls: int, call_queries: int, block_s: int,
-                 block_t: int, key_blocks: int) -> int:
+def causal_tiles(span: QuerySpan, call_queries: int, block_s: int, block_t: int, key_blocks: int) -> int:
     """(query block, key block) tiles one call of a causally skipping kernel computes, per batch row.
 
-    A block of block_s queries visits the key blocks up to its last query's position (position(s) =
-    first_position + s; padding queries see no key). `calls` calls of `call_queries` (padded) queries each
-    cover the num_queries queries in order (indexer top-k's query chunks under `lax.map`, which share one
-    compiled call): their total is spread evenly over the calls, rounded up. A traced first position
-    (None) counts every tile: an upper bound.
+    A block of block_s queries visits the key blocks up to its last query's position (query s sits at
+    span[0] + s; padding queries see no key). span[2] calls of `call_queries` (padded) queries each cover the
+    span[1] queries in order (indexer top-k's query chunks under `lax.map`, which share one compiled call):
+    their total is spread evenly over the calls, rounded up. A traced first position (None) counts every
+    tile: an upper bound.
     """
+    first_position, num_queries, calls = span
     if first_position is None:
         return call_queries // block_s * key_blocks
     total = 0

@@ -131,7 +131,8 @@ def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
     )
     flops = sparse_target_flops(heads, slots, q_c.shape[-1] + q_r.shape[-1])
     with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [lse_p], [out_shape], flops=flops).declared():
-        return call(q_c, q_r, idx, k_c, k_r, lse_p)[:, :, : layout.num_slots]
+        p = call(q_c, q_r, idx, k_c, k_r, lse_p)
+    return p[:, :, : layout.num_slots]
 
 
 def _row_layout(values, heads_padded: int):
@@ -262,7 +263,7 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )
     # Both passes visit the key blocks up to each query block's last position (all of them for a traced q_offset).
-    tiles = causal_tiles(static_q_offset(q_offset), q_len, 1, len_p, block_s, block_t, num_blocks)
+    tiles = causal_tiles((static_q_offset(q_offset), q_len, 1), len_p, block_s, block_t, num_blocks)
     cost = dense_target_cost(batch, tiles, rows, block_t, c_dim + r_dim, q.dtype.itemsize, passes=2,
                              query_bytes=array_bytes(q_c, q_r, q_seg) + batch * array_bytes(q_pos),
                              out_bytes=array_bytes(out_shape))

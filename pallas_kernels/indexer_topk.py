@@ -44,15 +44,12 @@ from pallas_kernels._common import (
     static_q_offset,
     triton_params,
 )
-from pallas_kernels.dsa_cost import array_bytes, causal_tiles, indexer_scores_cost
+from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, indexer_scores_cost
 from pallas_kernels.shared_memory import fit_block_and_stages
 from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
 # Rows (query x indexer head) of one score tile: big enough for the tensor cores, small enough for registers.
 _TILE_ROWS = 128
-# The queries a score call's kernel sees, for its declared cost: (position of query 0 as a Python int, or None when
-# traced; number of queries; calls that split them in equal chunks, 1 unless chunked by `indexer_topk`).
-QuerySpan = tuple[int | None, int, int]
 
 
 def _block_s(heads_padded: int) -> int:
@@ -126,8 +123,7 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool,
         interpret=interpret,
         compiler_params=triton_params(num_warps=4, num_stages=stages),
     )
-    first_position, num_queries, calls = span
-    tiles = causal_tiles(first_position, num_queries, calls, len_p, block_s, block_t, keys_p // block_t)
+    tiles = causal_tiles(span, len_p, block_s, block_t, keys_p // block_t)
     cost = indexer_scores_cost(batch, tiles, block_s * heads_p, block_t, dim_p, itemsize,
                                query_bytes=array_bytes(q_rows, w_p, q_seg_p) + batch * array_bytes(q_pos_p),
                                out_bytes=array_bytes(out_shape))

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG_INF, dot_nt, key_valid, pad_axis, round_up, tpu_interpret
-from pallas_kernels.dsa_cost import array_bytes, causal_tiles, dense_target_cost, indexer_scores_cost
+from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, dense_target_cost, indexer_scores_cost
 
 LANES, SUBLANES = 128, 8
 # Query rows of one score program (indexer: queries; dense target: queries x heads, see _dense_block_s).
@@ -83,9 +83,9 @@ def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref,
         out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
 
 
-def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span):
+def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span: QuerySpan):
     """q [B, S, I, J], k [B, T, J], w fp32 [B, S, I], q_pos [S], q_seg [B, S], k_seg [B, T] -> [B, S, T].
-    span: the queries this call's cost covers, `indexer_topk.QuerySpan`."""
+    span: the queries this call's cost covers (`dsa_cost.QuerySpan`)."""
     batch, q_len, heads, head_dim = q.shape
     k_len = k.shape[1]
     block_s, block_t, len_p, keys_p = _tiles(q_len, k_len, _INDEXER_BLOCK_S, block_t)
@@ -93,8 +93,7 @@ def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret:
     q_heads = jnp.swapaxes(pad_axis(q, 1, len_p), 1, 2)  # [B, I, S, J]: one [block_s, J] slab per head
     k_p = pad_axis(k, 1, keys_p)
     w_p, q_seg_p = pad_axis(w, 1, len_p), pad_axis(q_seg, 1, len_p)[..., None]
-    first_position, num_queries, calls = span
-    tiles = causal_tiles(first_position, num_queries, calls, len_p, block_s, block_t, keys_p // block_t)
+    tiles = causal_tiles(span, len_p, block_s, block_t, keys_p // block_t)
     out_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
     key_spec = lambda b, i, t, last: (b, _visible_key_block(t, last, i, block_t), 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -219,9 +218,8 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
     lse_shape = jax.ShapeDtypeStruct((batch, num_s, rows, 1), jnp.float32)
     target_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
     # Each pass visits the key blocks up to its query block's last position.
-    pass_cost = functools.partial(
-        dense_target_cost, batch, causal_tiles(first_position, q_len, 1, len_p, block_s, block_t, keys_p // block_t),
-        rows, block_t, width_p, q.dtype.itemsize, passes=1)
+    tiles = causal_tiles((first_position, q_len, 1), len_p, block_s, block_t, keys_p // block_t)
+    pass_cost = functools.partial(dense_target_cost, batch, tiles, rows, block_t, width_p, q.dtype.itemsize, passes=1)
     query_bytes = array_bytes(q_rows, row_seg) + batch * array_bytes(row_pos)
     lse = pl.pallas_call(  # pass 1: per-(head, query) lse, [B, S / block_s, H * block_s, 1]
         functools.partial(_dense_lse_kernel, **common),

@@ -21,15 +21,15 @@ from pallas_kernels.dsa_cost import (
 def test_causal_tiles_count_the_key_blocks_up_to_each_query_blocks_last_position():
     # 10 queries at positions 0..9 in blocks of 4 (the last block holds 2), keys in blocks of 4 of 3:
     # last positions 3, 7, 9 -> 1, 2 and 3 key blocks.
-    assert causal_tiles(0, 10, 1, 12, 4, 4, 3) == 6
+    assert causal_tiles((0, 10, 1), 12, 4, 4, 3) == 6
     # From position 5: last positions 8, 12 (capped at 3 blocks), 14 -> 3 + 3 + 3.
-    assert causal_tiles(5, 10, 1, 12, 4, 4, 3) == 9
+    assert causal_tiles((5, 10, 1), 12, 4, 4, 3) == 9
     # A traced offset counts every tile of the call: 3 query blocks x 3 key blocks.
-    assert causal_tiles(None, 10, 1, 12, 4, 4, 3) == 9
+    assert causal_tiles((None, 10, 1), 12, 4, 4, 3) == 9
     # Two calls of 8 (padded) queries share the 6 tiles: 3 each. From position 4 with 4 key blocks,
     # 2 + 3 + 4 = 9 tiles over 2 calls: 5 each (rounded up).
-    assert causal_tiles(0, 10, 2, 8, 4, 4, 3) == 3
-    assert causal_tiles(4, 10, 2, 8, 4, 4, 4) == 5
+    assert causal_tiles((0, 10, 2), 8, 4, 4, 3) == 3
+    assert causal_tiles((4, 10, 2), 8, 4, 4, 4) == 5
 
 
 def test_sparse_mla_flops_per_query():

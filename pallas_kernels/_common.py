@@ -164,6 +164,11 @@ def check_segments(q_segment_ids, k_segment_ids, batch: int, q_len: int, k_len: 
     check_equal("k_segment_ids.shape", tuple(k_segment_ids.shape), (batch, k_len), "[B, T]")
 
 
+def static_q_offset(q_offset) -> int | None:
+    """q_offset as a Python int, None when it is an array (a traced decode position)."""
+    return q_offset if isinstance(q_offset, int) else None
+
+
 def positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch: int, q_len: int, k_len: int):
     """Query positions [S] and segment ids [B, S], [B, T] (all zeros when not given), int32."""
     q_pos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len, dtype=jnp.int32)

@@ -39,8 +39,10 @@ from pallas_kernels._common import (
     resolve_interpret,
     resolve_platform,
     round_up,
+    static_q_offset,
     triton_params,
 )
+from pallas_kernels.dsa_cost import array_bytes, causal_tiles, dense_target_cost, sparse_target_flops
 from pallas_kernels.mla_layout import (
     MlaLayout,
     gather_kernel_plan,
@@ -51,7 +53,7 @@ from pallas_kernels.mla_layout import (
     validate_sparse_inputs,
 )
 from pallas_kernels.shared_memory import fit_block_and_stages
-from pallas_kernels.sparse_mla import gathered_rows_in_specs, per_query_spec
+from pallas_kernels.sparse_mla import gathered_rows_in_specs, gathered_rows_kernel_cost, per_query_spec
 from pallas_kernels.tpu_indexer import tpu_dense_target
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_target
 
@@ -117,15 +119,20 @@ def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
     batch, q_len, heads = q_c.shape[:3]
     slots = idx.shape[-1]
     block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
-    return pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((batch, q_len, slots), jnp.float32)
+    call = pl.pallas_call(
         functools.partial(_sparse_target_kernel, scale=scale, block_n=block_n),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads)],
         out_specs=per_query_spec(slots),
-        out_shape=jax.ShapeDtypeStruct((batch, q_len, slots), jnp.float32),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
-    )(q_c, q_r, idx, k_c, k_r, lse_p)[:, :, : layout.num_slots]
+    )
+    flops = sparse_target_flops(heads, slots, q_c.shape[-1] + q_r.shape[-1])
+    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [lse_p], [out_shape], flops=flops).declared():
+        p = call(q_c, q_r, idx, k_c, k_r, lse_p)
+    return p[:, :, : layout.num_slots]
 
 
 def _row_layout(values, heads_padded: int):
@@ -133,7 +140,7 @@ def _row_layout(values, heads_padded: int):
     return jnp.broadcast_to(values[:, None], (values.shape[0], heads_padded)).reshape(-1)
 
 
-def _dense_target_plan(rows: int, layout: MlaLayout, itemsize: int, block_t: int) -> tuple[int, int]:
+def dense_target_plan(rows: int, layout: MlaLayout, itemsize: int, block_t: int) -> tuple[int, int]:
     """(keys per step, pipeline stages) of the Triton dense target on the target GPU: the block's query rows
     x (Cp+Rp) stay in shared memory, each stage holds block_t key rows, and the fp32 rows x block_t logits
     tile passes through it between layouts (GLM-5 bf16, 64 rows, block_t 64: 72 KiB + 72 KiB per stage +
@@ -221,13 +228,13 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     if resolve_platform(platform) == "tpu":
         return tpu_dense_target(q, latent, q_pos, q_seg, k_seg, scale=float(scale), block_s=block_s,
-                                block_t=block_t, interpret=interpret)
+                                block_t=block_t, interpret=interpret, first_position=static_q_offset(q_offset))
     layout = MlaLayout(heads=heads, latent_dim=_split_point(width), rope_dim=width - _split_point(width),
                        num_slots=1, block_n=MIN_BLOCK)
     heads_p = layout.heads_padded
     if block_s is None:
         block_s = max(1, _DENSE_ROWS // heads_p)
-    block_t, stages = _dense_target_plan(block_s * heads_p, layout, q.dtype.itemsize, block_t)
+    block_t, stages = dense_target_plan(block_s * heads_p, layout, q.dtype.itemsize, block_t)
     len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
     q_pos = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_seg = pad_axis(q_seg, 1, len_p)
@@ -236,7 +243,9 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     k_c, k_r = (pad_axis(x, 1, keys_p) for x in split_latent(latent, layout))
     c_dim, r_dim = q_c.shape[-1], q_r.shape[-1]
     rows = block_s * heads_p
-    target = pl.pallas_call(
+    num_blocks = keys_p // block_t
+    out_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
+    call = pl.pallas_call(
         functools.partial(_dense_target_kernel, scale=float(scale), block_t=block_t, num_keys=k_len, heads=heads),
         grid=(batch, len_p // block_s),
         in_specs=[
@@ -249,8 +258,15 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
             pl.BlockSpec((None, keys_p), lambda b, i: (b, 0)),
         ],
         out_specs=pl.BlockSpec((None, block_s, keys_p), lambda b, i: (b, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
-    )(q_c, q_r, q_pos, q_seg, k_c, k_r, k_seg)
+    )
+    # Both passes visit the key blocks up to each query block's last position (all of them for a traced q_offset).
+    tiles = causal_tiles((static_q_offset(q_offset), q_len, 1), len_p, block_s, block_t, num_blocks)
+    cost = dense_target_cost(batch, tiles, rows, block_t, c_dim + r_dim, q.dtype.itemsize, passes=2,
+                             query_bytes=array_bytes(q_c, q_r, q_seg) + batch * array_bytes(q_pos),
+                             out_bytes=array_bytes(out_shape))
+    with cost.declared():
+        target = call(q_c, q_r, q_pos, q_seg, k_c, k_r, k_seg)
     return target[:, :q_len, :k_len]

@@ -41,8 +41,10 @@ from pallas_kernels._common import (
     resolve_interpret,
     resolve_platform,
     round_up,
+    static_q_offset,
     triton_params,
 )
+from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, indexer_scores_cost
 from pallas_kernels.shared_memory import fit_block_and_stages
 from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
@@ -52,6 +54,12 @@ _TILE_ROWS = 128
 
 def _block_s(heads_padded: int) -> int:
     return max(1, _TILE_ROWS // heads_padded)
+
+
+def scores_plan(rows: int, head_dim: int, itemsize: int, block_t: int) -> tuple[int, int]:
+    """(keys per step, pipeline stages) of the Triton score kernel on the target GPU: a block's `rows`
+    (queries x indexer heads) x J stay in shared memory, each pipeline stage holds block_t x J keys."""
+    return fit_block_and_stages(block_t, lambda block, stages: (rows + stages * block) * head_dim * itemsize)
 
 
 def _scores_kernel(q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, k_seg_ref, out_ref, *, scale, num_keys, block_t):
@@ -82,7 +90,7 @@ def _scores_kernel(q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, k_seg_ref, out_ref
     lax.fori_loop(visible_blocks, num_blocks, masked_block, 0)
 
 
-def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool):
+def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span: QuerySpan):
     """Padded-operand kernel call: q [B, S, I, J], k [B, T, J], w [B, S, I] -> [B, S, T] (S, T unpadded)."""
     batch, q_len, heads, head_dim = q.shape
     k_len = k.shape[1]
@@ -90,9 +98,7 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
     dim_p = next_power_of_two(head_dim, MIN_BLOCK)
     block_s = _block_s(heads_p)
     itemsize = q.dtype.itemsize
-    # Shared memory: the block's (block_s I) x J queries stay, each pipeline stage holds block_t x J keys.
-    block_t, stages = fit_block_and_stages(
-        block_t, lambda block, stages: (block_s * heads_p + stages * block) * dim_p * itemsize)
+    block_t, stages = scores_plan(block_s * heads_p, dim_p, itemsize, block_t)
     len_p, keys_p = round_up(q_len, block_s), round_up(k_len, block_t)
     q_rows = pad_axis(pad_axis(pad_axis(q, 3, dim_p), 2, heads_p), 1, len_p).reshape(batch, len_p * heads_p, dim_p)
     k_p = pad_axis(pad_axis(k, 2, dim_p), 1, keys_p)
@@ -100,7 +106,8 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
     q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_seg_p = pad_axis(q_seg, 1, len_p)
     k_seg_p = pad_axis(k_seg, 1, keys_p)
-    scores = pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
+    call = pl.pallas_call(
         functools.partial(_scores_kernel, scale=head_dim**-0.5, num_keys=k_len, block_t=block_t),
         grid=(batch, len_p // block_s),
         in_specs=[
@@ -112,29 +119,35 @@ def _scores_call(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool)
             pl.BlockSpec((None, keys_p), lambda b, i: (b, 0)),
         ],
         out_specs=pl.BlockSpec((None, block_s, keys_p), lambda b, i: (b, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps=4, num_stages=stages),
-    )(q_rows, k_p, w_p, q_pos_p, q_seg_p, k_seg_p)
+    )
+    tiles = causal_tiles(span, len_p, block_s, block_t, keys_p // block_t)
+    cost = indexer_scores_cost(batch, tiles, block_s * heads_p, block_t, dim_p, itemsize,
+                               query_bytes=array_bytes(q_rows, w_p, q_seg_p) + batch * array_bytes(q_pos_p),
+                               out_bytes=array_bytes(out_shape))
+    with cost.declared():
+        scores = call(q_rows, k_p, w_p, q_pos_p, q_seg_p, k_seg_p)
     return scores[:, :q_len, :k_len]
 
 
-def _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform):
+def _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform, span):
     call = tpu_indexer_scores if platform == "tpu" else _scores_call
-    return call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret)
+    return call(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret, span=span)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform):
-    return _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform, span):
+    return _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform, span)
 
 
-def _scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform):
-    out = _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform)
+def _scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform, span):
+    out = _platform_scores(q, k, w, q_pos, q_seg, k_seg, block_t, interpret, platform, span)
     return out, (q, k, w, q_pos, q_seg, k_seg)
 
 
-def _scores_bwd(block_t, bwd_query_chunk, interpret, platform, residuals, d_scores):
+def _scores_bwd(block_t, bwd_query_chunk, interpret, platform, span, residuals, d_scores):
     """jnp backward over query chunks: a [B, chunk, I, T] fp32 block at a time, never [B, S, I, T]."""
     q, k, w, q_pos, q_seg, k_seg = residuals
     batch, q_len, heads, head_dim = q.shape
@@ -217,7 +230,9 @@ def indexer_scores(q_index, k_index, weights, *, q_segment_ids=None, k_segment_i
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
     operands = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
-    return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret), resolve_platform(platform))
+    span = (static_q_offset(q_offset), q_index.shape[1], 1)
+    return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret), resolve_platform(platform),
+                   span)
 
 
 def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segment_ids=None, q_offset=0,
@@ -248,7 +263,8 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
             return lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
 
         pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
-        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret, platform)
+        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret, platform,
+                         (static_q_offset(q_offset), q_len, n_chunks))
         values, indices = lax.top_k(scores, num_selected)
         picked_seg = jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
         visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)

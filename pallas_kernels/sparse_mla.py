@@ -34,6 +34,12 @@ from pallas_kernels._common import (
     resolve_platform,
     triton_params,
 )
+from pallas_kernels.dsa_cost import (
+    array_bytes,
+    gathered_rows_cost,
+    sparse_mla_backward_flops,
+    sparse_mla_forward_flops,
+)
 from pallas_kernels.mla_layout import (
     MlaLayout,
     backward_plan,
@@ -95,19 +101,32 @@ def gathered_rows_in_specs(q_c, q_r, idx, k_c) -> list:
             pl.BlockSpec((None, num_keys, width), per_batch), pl.BlockSpec((None, num_keys, rope), per_batch)]
 
 
+def gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, per_query, out_shape, *, flops: int):
+    """Cost of a Triton row-gathering call over grid (B, S): per-program `flops`, one exp per (head, slot),
+    its inputs' and outputs' per-query blocks once, and each program's Np gathered rows of C+R."""
+    heads, slots = q_c.shape[2], idx.shape[-1]
+    row_bytes = slots * (k_c.shape[-1] * k_c.dtype.itemsize + k_r.shape[-1] * k_r.dtype.itemsize)
+    return gathered_rows_cost(idx.shape[0] * idx.shape[1], row_bytes,
+                              array_bytes(q_c, q_r, idx, *per_query, *out_shape),
+                              flops=flops, transcendentals=heads * slots)
+
+
 def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool):
     batch, q_len, heads, width = q_c.shape
     block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
-    return pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)]
+    call = pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, block_n=block_n),
         grid=(batch, q_len),
         in_specs=gathered_rows_in_specs(q_c, q_r, idx, k_c),
         out_specs=[per_query_spec(heads, width), per_query_spec(heads)],
-        out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
-                   jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)],
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
-    )(q_c, q_r, idx, k_c, k_r)
+    )
+    flops = sparse_mla_forward_flops(heads, idx.shape[-1], width + q_r.shape[-1], width)
+    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [], out_shape, flops=flops).declared():
+        return call(q_c, q_r, idx, k_c, k_r)
 
 
 def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref,
@@ -158,22 +177,26 @@ def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout:
     batch, q_len, heads, width = q_c.shape
     rope, slots = q_r.shape[-1], idx.shape[-1]
     block_n, column_parts = backward_plan(layout, q_c.dtype.itemsize)
-    return pl.pallas_call(
+    out_shape = [
+        jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
+        jax.ShapeDtypeStruct(q_r.shape, q_r.dtype),
+        jax.ShapeDtypeStruct((batch, q_len, slots, width), jnp.float32),
+        jax.ShapeDtypeStruct((batch, q_len, slots, rope), jnp.float32),
+    ]
+    call = pl.pallas_call(
         functools.partial(_backward_kernel, scale=scale, block_n=block_n, column_parts=column_parts),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads, width),
                   per_query_spec(heads), per_query_spec(heads)],
         out_specs=[per_query_spec(heads, width), per_query_spec(heads, rope), per_query_spec(slots, width),
                    per_query_spec(slots, rope)],
-        out_shape=[
-            jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
-            jax.ShapeDtypeStruct(q_r.shape, q_r.dtype),
-            jax.ShapeDtypeStruct((batch, q_len, slots, width), jnp.float32),
-            jax.ShapeDtypeStruct((batch, q_len, slots, rope), jnp.float32),
-        ],
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=1),
-    )(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
+    )
+    flops = sparse_mla_backward_flops(heads, slots, width + rope, width)
+    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [d_out, lse, shift], out_shape, flops=flops).declared():
+        return call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

@@ -6,7 +6,8 @@ keys of a batch in one block, which TPU VMEM cannot at T = 200K). On TPU, block_
 multiple of 128 (the lane width) and block_s to a multiple of 8 (the sublane count).
 
 Causality: each query block's last position is scalar-prefetched into SMEM; key blocks past it are filled
-without a matmul, and their key index_map is clamped to the last visible block, so no DMA fetches them.
+without a matmul, and their key index_map is clamped to the last visible block, so no DMA fetches them (the
+declared costs count the visible tiles, `dsa_cost.causal_tiles`, as the Triton kernels' do).
 
 Dense target: two pallas_calls over the key blocks. Pass 1 keeps each (query, head) row's running max and
 sum in VMEM scratch across the key axis and writes its lse ([B, S, H] fp32, the only intermediate in HBM);
@@ -26,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG_INF, dot_nt, key_valid, pad_axis, round_up, tpu_interpret
+from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, dense_target_cost, indexer_scores_cost
 
 LANES, SUBLANES = 128, 8
 # Query rows of one score program (indexer: queries; dense target: queries x heads, see _dense_block_s).
@@ -50,10 +52,6 @@ def _last_positions(q_pos_p: jax.Array, block_s: int) -> jax.Array:
 def _visible_key_block(t, last_ref, i, block_t: int):
     """Key block t if it holds a key visible to query block i, else the last such block (no new DMA)."""
     return jnp.minimum(t, lax.div(jnp.maximum(last_ref[i], 0), block_t))  # lax.div: jnp's // lowers via sign
-
-
-def _bytes(*arrays) -> int:
-    return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
 def _tpu_params(*semantics):
@@ -85,14 +83,18 @@ def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref,
         out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
 
 
-def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool):
-    """q [B, S, I, J], k [B, T, J], w fp32 [B, S, I], q_pos [S], q_seg [B, S], k_seg [B, T] -> [B, S, T]."""
+def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span: QuerySpan):
+    """q [B, S, I, J], k [B, T, J], w fp32 [B, S, I], q_pos [S], q_seg [B, S], k_seg [B, T] -> [B, S, T].
+    span: the queries this call's cost covers (`dsa_cost.QuerySpan`)."""
     batch, q_len, heads, head_dim = q.shape
     k_len = k.shape[1]
     block_s, block_t, len_p, keys_p = _tiles(q_len, k_len, _INDEXER_BLOCK_S, block_t)
     q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_heads = jnp.swapaxes(pad_axis(q, 1, len_p), 1, 2)  # [B, I, S, J]: one [block_s, J] slab per head
     k_p = pad_axis(k, 1, keys_p)
+    w_p, q_seg_p = pad_axis(w, 1, len_p), pad_axis(q_seg, 1, len_p)[..., None]
+    tiles = causal_tiles(span, len_p, block_s, block_t, keys_p // block_t)
+    out_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
     key_spec = lambda b, i, t, last: (b, _visible_key_block(t, last, i, block_t), 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -110,15 +112,15 @@ def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret:
     scores = pl.pallas_call(
         functools.partial(_scores_kernel, scale=head_dim**-0.5, num_keys=k_len),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
+        out_shape=out_shape,
         compiler_params=_tpu_params("parallel", "parallel", "parallel"),
-        # Every tile, causal skipping not counted (an upper bound); keys re-read once per query block.
-        cost_estimate=pl.CostEstimate(flops=batch * len_p * keys_p * heads * (2 * head_dim + 3), transcendentals=0,
-                                      bytes_accessed=_bytes(q_heads, w) + (len_p // block_s) * _bytes(k_p)
-                                      + 4 * batch * len_p * keys_p),
+        cost_estimate=indexer_scores_cost(
+            batch, tiles, block_s * heads, block_t, head_dim, q.dtype.itemsize,
+            query_bytes=array_bytes(q_heads, w_p, q_seg_p) + batch * array_bytes(q_pos_p),
+            out_bytes=array_bytes(out_shape)).estimate(),
         interpret=tpu_interpret(interpret),
-    )(_last_positions(q_pos_p, block_s), q_heads, k_p, pad_axis(w, 1, len_p), q_pos_p[:, None],
-      pad_axis(q_seg, 1, len_p)[..., None], pad_axis(k_seg, 1, keys_p)[:, None, :])
+    )(_last_positions(q_pos_p, block_s), q_heads, k_p, w_p, q_pos_p[:, None], q_seg_p,
+      pad_axis(k_seg, 1, keys_p)[:, None, :])
     return scores[:, :q_len, :k_len]
 
 
@@ -180,8 +182,10 @@ def _dense_block_s(block_s, heads: int) -> int:
     return max(1, _DENSE_ROWS // heads) if block_s is None else block_s
 
 
-def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, block_t: int, interpret: bool):
-    """q [B, S, H, X], latent [B, T, X], q_pos [S], q_seg [B, S], k_seg [B, T] -> fp32 [B, S, T]."""
+def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, block_t: int, interpret: bool,
+                     first_position: int | None):
+    """q [B, S, H, X], latent [B, T, X], q_pos [S], q_seg [B, S], k_seg [B, T] -> fp32 [B, S, T].
+    first_position: q_pos[0] as a Python int (None when traced: the declared costs then count every tile)."""
     batch, q_len, heads, width = q.shape
     k_len = latent.shape[1]
     block_s, block_t, len_p, keys_p = _tiles(q_len, k_len, _dense_block_s(block_s, heads), block_t)
@@ -211,18 +215,20 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
     operands = (last, q_rows, k_p, row_pos, row_seg, k_seg_p)
     grid = (batch, num_s, keys_p // block_t)
     common = dict(scale=scale, num_keys=k_len)
-    # Per pass, every tile (causal skipping not counted: an upper bound); keys re-read once per query block.
-    pass_cost = pl.CostEstimate(flops=2 * batch * len_p * heads * keys_p * width_p,
-                                transcendentals=batch * len_p * heads * keys_p,
-                                bytes_accessed=_bytes(q_rows) + num_s * _bytes(k_p) + 4 * batch * len_p * keys_p)
+    lse_shape = jax.ShapeDtypeStruct((batch, num_s, rows, 1), jnp.float32)
+    target_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
+    # Each pass visits the key blocks up to its query block's last position.
+    tiles = causal_tiles((first_position, q_len, 1), len_p, block_s, block_t, keys_p // block_t)
+    pass_cost = functools.partial(dense_target_cost, batch, tiles, rows, block_t, width_p, q.dtype.itemsize, passes=1)
+    query_bytes = array_bytes(q_rows, row_seg) + batch * array_bytes(row_pos)
     lse = pl.pallas_call(  # pass 1: per-(head, query) lse, [B, S / block_s, H * block_s, 1]
         functools.partial(_dense_lse_kernel, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=row_spec(1),
             scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((batch, num_s, rows, 1), jnp.float32),
+        out_shape=lse_shape,
         compiler_params=_tpu_params("parallel", "parallel", "arbitrary"),
-        cost_estimate=pass_cost,
+        cost_estimate=pass_cost(query_bytes=query_bytes, out_bytes=array_bytes(lse_shape)).estimate(),
         interpret=tpu_interpret(interpret),
     )(*operands)
     target = pl.pallas_call(  # pass 2: [block_s, block_t] tiles of the head-summed probabilities
@@ -230,9 +236,10 @@ def tpu_dense_target(q, latent, q_pos, q_seg, k_seg, *, scale: float, block_s, b
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=grid, in_specs=[*in_specs, row_spec(1)],
             out_specs=pl.BlockSpec((None, block_s, block_t), lambda b, i, t, last: (b, i, t))),
-        out_shape=jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32),
+        out_shape=target_shape,
         compiler_params=_tpu_params("parallel", "parallel", "parallel"),
-        cost_estimate=pass_cost,
+        cost_estimate=pass_cost(query_bytes=query_bytes + array_bytes(lse_shape),
+                                out_bytes=array_bytes(target_shape)).estimate(),
         interpret=tpu_interpret(interpret),
     )(*operands, lse)
     return target[:, :q_len, :k_len]

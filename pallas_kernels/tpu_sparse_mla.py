@@ -27,6 +27,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG_INF, dot_nn, dot_nt, dot_tn, pad_axis, round_up, tpu_interpret
+from pallas_kernels.dsa_cost import (
+    array_bytes,
+    gathered_rows_cost,
+    sparse_mla_backward_flops,
+    sparse_mla_forward_flops,
+    sparse_target_flops,
+)
 from pallas_kernels.mla_layout import MlaLayout, backward_shift, chunked_backward, pad_indices
 
 LANES = 128
@@ -119,14 +126,12 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
 
 def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int) -> pl.CostEstimate:
     """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
-    per-program flops / transcendentals times the B x S programs; bytes: inputs and outputs once, plus each
-    program's gathered rows (N_p x W per query, re-read from HBM even when queries share them)."""
-    programs = idx.shape[0] * idx.shape[1]
+    `gathered_rows_cost` over the B x S programs, each gathering N_p rows of W."""
     row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * latent.dtype.itemsize
-    moved = sum(x.size * x.dtype.itemsize for x in (idx, *per_query))
-    moved += sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _ in out_shapes)
-    return pl.CostEstimate(flops=programs * flops, transcendentals=programs * transcendentals,
-                           bytes_accessed=moved + programs * row_bytes)
+    moved = array_bytes(idx, *per_query) + sum(math.prod(shape) * jnp.dtype(dtype).itemsize
+                                               for shape, dtype, _ in out_shapes)
+    return gathered_rows_cost(idx.shape[0] * idx.shape[1], row_bytes, moved, flops=flops,
+                              transcendentals=transcendentals).estimate()
 
 
 def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
@@ -233,7 +238,8 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
         block_indices(indices, layout), latent_rows(latent, sizes), [q_p],
         [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
          ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
-        interpret=interpret, flops=2 * sizes.heads * layout.slots_padded * (sizes.width + sizes.values),
+        interpret=interpret,
+        flops=sparse_mla_forward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values),
         transcendentals=sizes.heads * layout.slots_padded)
     return out[:, :, : layout.heads, : layout.latent_dim], lse[:, :, : layout.heads, 0]
 
@@ -265,8 +271,7 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
             [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
             scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
-            # logits and do.v, key and value row gradients, dq
-            flops=2 * sizes.heads * layout.slots_padded * (3 * sizes.width + 2 * sizes.values))
+            flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values))
         return (dq,), (dk,)
 
     do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
@@ -302,6 +307,6 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
     (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
                         [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
-                        flops=2 * sizes.heads * layout.slots_padded * sizes.width,
+                        flops=sparse_target_flops(sizes.heads, layout.slots_padded, sizes.width),
                         transcendentals=sizes.heads * layout.slots_padded)
     return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

@@ -8,7 +8,11 @@ Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128) in bf16 f
 interpret tests' kind of small odd shapes in fp32 and bf16 for H100 (H200 has the same SM and shared memory,
 so its kernels are the same), and fp32 at GLM-5's shapes for H100, where the row and key blocks shrink to fit.
 Not the sparse MLA backward in fp32 at GLM-5's shapes: its resident fp32 queries and output gradient alone
-(272 KiB) exceed the 227 KiB per block."""
+(272 KiB) exceed the 227 KiB per block.
+
+Each kernel must also declare its cost (`kernels_without_cost` of `glm5_jax.parallel.hlo_stats` empty), and the
+FLOPs it declares must equal the hand count below: 2 per multiply-add of its dots at its padded sizes, over the
+blocks its grid visits (causal skipping included)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 import pytest
 from gpu_compile import compile_lowered, lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
 
+from glm5_jax.parallel.hlo_stats import hlo_stats
 from pallas_kernels import (
     dense_attention_target,
     indexer_scores,
@@ -29,6 +34,9 @@ from pallas_kernels import (
     sparse_mla_attention,
 )
 from pallas_kernels.gpu_targets import GPU_TARGETS
+from pallas_kernels.indexer_kl_target import dense_target_plan
+from pallas_kernels.indexer_topk import scores_plan
+from pallas_kernels.mla_layout import MlaLayout
 from pallas_kernels.shared_memory import shared_memory_limit
 
 
@@ -103,6 +111,58 @@ def entry_points(shape: Shapes, dtype) -> dict:
     }
 
 
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _causal_tiles(first: int, queries: int, block_s: int, block_t: int, key_blocks: int) -> int:
+    """Key blocks visited by the query blocks of `queries` queries at positions first, first + 1, ...: each
+    block visits those up to its last query's position."""
+    return sum(min(key_blocks, (first + min(start + block_s, queries) - 1) // block_t + 1)
+               for start in range(0, queries, block_s))
+
+
+def expected_kernel_flops(shape: Shapes, dtype, name: str) -> int:
+    """Matmul FLOPs of the Pallas kernels of one entry point, counted by hand from what each program computes."""
+    b, s, t = shape.batch, shape.q_len, shape.k_len
+    heads, c_dim, r_dim = _pow2(shape.heads, 16), _pow2(shape.latent_dim, 16), _pow2(shape.rope_dim, 16)
+    slots = _round_up(shape.slots, shape.block_n)
+    # Sparse MLA, per query: scores H x N x (C+R) and values H x N x C; backward: scores, do.v (C), dq (C+R),
+    # key row gradients (C+R) and value row gradients (C), over the query chunks' padded length.
+    forward = b * s * 2 * heads * slots * (2 * c_dim + r_dim)
+    backward = b * _round_up(s, min(shape.bwd_query_chunk, s)) * 2 * heads * slots * (5 * c_dim + 3 * r_dim)
+    # Indexer: block_s queries x I heads per program, J wide, against each visited block of keys.
+    index_heads, index_dim = _pow2(shape.index_heads), _pow2(shape.index_dim, 16)
+    block_s = max(1, 128 // index_heads)
+    itemsize = jnp.dtype(dtype).itemsize
+    block_t = scores_plan(block_s * index_heads, index_dim, itemsize, shape.block_t)[0]
+    key_blocks = _round_up(t, block_t) // block_t
+    per_tile = 2 * block_s * index_heads * block_t * index_dim
+    scores = b * _causal_tiles(t - s, s, block_s, block_t, key_blocks) * per_tile
+    # indexer_topk: query chunks of 256 (rounded to block_s) share one compiled call; each declares the mean.
+    chunk = _round_up(min(256, s), block_s)
+    chunks = -(-s // chunk)
+    topk = b * chunks * -(-_causal_tiles(t - s, s, block_s, block_t, key_blocks) // chunks) * per_tile
+    # Targets: a 2^k + rest split of the row (576 -> 512 + 64); the dense one makes two passes over its keys.
+    width = shape.latent_dim + shape.rope_dim
+    main = 1 << (width.bit_length() - 1)
+    split = main // 2 if main == width else main
+    target_c, target_r = _pow2(split, 16), _pow2(width - split, 16)
+    sparse_target = b * s * 2 * heads * slots * (target_c + target_r)
+    dense_s = max(1, 64 // heads)
+    layout = MlaLayout(heads=shape.heads, latent_dim=split, rope_dim=width - split, num_slots=1, block_n=16)
+    dense_t = dense_target_plan(dense_s * heads, layout, itemsize, shape.block_t)[0]
+    dense = 2 * b * _causal_tiles(t - s, s, dense_s, dense_t, _round_up(t, dense_t) // dense_t) * (
+        2 * dense_s * heads * dense_t * (target_c + target_r))
+    return {"sparse_mla_forward": forward, "sparse_mla_backward": forward + backward, "indexer_scores": scores,
+            "indexer_scores_with_backward": scores, "indexer_topk": topk, "sparse_attention_target": sparse_target,
+            "dense_attention_target": dense}[name]
+
+
 SHAPES = {"glm5": GLM5, "small": SMALL}
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 NAMES = sorted(entry_points(SMALL, jnp.float32))
@@ -128,6 +188,11 @@ def test_triton_kernel_compiles_for_gpu(target, shape, dtype, name):
     text = compile_lowered(lowered).as_text()
     assert len(triton_kernel_names(text)) == kernels, triton_kernel_names(text)
     assert "tpu_custom_call" not in text and "mosaic_gpu" not in text
+    stats = hlo_stats(text, 1)
+    assert stats.kernels_without_cost == {}
+    assert stats.kernel_flops == expected_kernel_flops(SHAPES[shape], DTYPES[dtype], name)
+    if name != "indexer_scores_with_backward":  # its backward is jnp matmuls outside the kernel
+        assert stats.matmul_flops == stats.kernel_flops
     shared_memory = triton_shared_memory(lowered)
     assert len(shared_memory) == kernels, shared_memory
     assert max(shared_memory.values()) <= shared_memory_limit(target), shared_memory

@@ -17,3 +17,5 @@ from xla_env import configure_test_environment  # noqa: E402
 
 # Before jax is imported: jax reads JAX_* and XLA reads XLA_FLAGS when they are first used.
 configure_test_environment()
+
+import glm5_jax  # noqa: E402,F401  jax imported quietly first (glm5_jax/__init__.py), whatever a test imports

@@ -155,6 +155,14 @@ def parse_computations(text: str) -> tuple[dict[str, _Computation], str]:
     return computations, entry
 
 
+def result_shapes(text: str, op: str) -> list[tuple[int, ...]]:
+    """The result shape of every `op` instruction in HLO text, e.g. the all-gathers of a compiled step; an
+    async `-start` form, whose result is the tuple (operand, result), gives its largest array."""
+    computations, _ = parse_computations(text)
+    return [max((dims for _, dims in arrays), key=math.prod) for comp in computations.values()
+            for inst in comp.instructions if inst.op in (op, op + "-start") and (arrays := _arrays(inst.type_text))]
+
+
 def _operand_names(rest: str) -> list[str]:
     args = rest.split(")", 1)[0]
     return re.findall(r"%([\w.\-]+)", args)

@@ -17,7 +17,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -419,15 +418,6 @@ def group_train_step():
     check_wide_expert_parallel_step(train, tokens, batch)
 
 
-def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
-    shapes = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)
-        if match:
-            shapes.append(tuple(int(d) for d in match.group(1).split(",") if d))
-    return shapes
-
-
 def check_wide_expert_parallel_step(train, tokens, batch):
     """Wide expert parallelism (`expert` 8, `fsdp` 1): every device keeps its routed expert whole, the other
     weights are split over all 8 devices, tokens travel by all-to-all; one training step equals one device's
@@ -436,6 +426,7 @@ def check_wide_expert_parallel_step(train, tokens, batch):
     import optax
 
     from glm5_jax.model.transformer import init
+    from glm5_jax.parallel.hlo_stats import result_shapes
     from glm5_jax.parallel.sharding import init_opt_state_sharded, param_specs, shard_params
     from glm5_jax.train.step import TrainState, init_train_state, make_train_step
 
@@ -465,7 +456,7 @@ def check_wide_expert_parallel_step(train, tokens, batch):
         close(np.asarray(new) - old, np.asarray(want) - old, f"wide EP update {jax.tree_util.keystr(path)}",
               rtol=1e-4, scaled_atol=1e-4)
     d, f = single_config.hidden_size, single_config.moe_intermediate_size
-    gathered = [shape for shape in _all_gather_shapes(hlo) if shape[-2:] in ((d, f), (f, d))]
+    gathered = [shape for shape in result_shapes(hlo, "all-gather") if shape[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered in the wide EP step: {gathered}"
     assert "all-to-all" in hlo, "tokens must travel to the experts by all-to-all"
     print(f"PASS wide expert parallelism (expert=8): one training step equals the single-device step, no expert "

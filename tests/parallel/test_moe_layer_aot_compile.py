@@ -26,23 +26,12 @@ from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.model.flops import moe_flops_per_token
 from glm5_jax.model.moe import MoE, moe_block
 from glm5_jax.model.variables import logical_axes
-from glm5_jax.parallel.hlo_stats import hlo_stats
+from glm5_jax.parallel.hlo_stats import hlo_stats, result_shapes
 from glm5_jax.parallel.topology import get_topology
 
 from xla_env import REPO
 
 TOKENS_PER_CHIP = 4096
-
-
-def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
-    import re
-
-    shapes = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)
-        if match:
-            shapes.append(tuple(int(d) for d in match.group(1).split(",") if d))
-    return shapes
 
 
 @pytest.mark.slow
@@ -76,6 +65,6 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
         "matmul kernels, not ragged_dot"
     assert not stats.kernels_without_cost, stats.kernels_without_cost
     d, f = config.hidden_size, config.moe_intermediate_size
-    gathered = [s for s in _all_gather_shapes(text) if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
+    gathered = [s for s in result_shapes(text, "all-gather") if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered: {gathered}"
     assert stats.collective_counts.get("ragged-all-to-all", 0) >= 2, stats.collective_counts

@@ -1,11 +1,12 @@
 """glm5_jax: GLM-5 as a pure-function JAX model with a jitted training-step library."""
 
-import contextlib
 import glob
 import importlib.util
 import os
 import sys
 from pathlib import Path
+
+from glm5_jax.quiet import native_stderr_silenced
 
 __version__ = "0.1.0"
 
@@ -34,20 +35,6 @@ def _cpu_only_without_accelerator() -> None:
         sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """Native code's writes to stderr (file descriptor 2) go nowhere inside; Python's own errors still raise."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def _quiet_cuda_plugin() -> None:
     """The CUDA plugin (the test extra installs it, for GPU AOT compiles) logs "Could not find cuda drivers on
     your machine" from native code each time jaxlib loads one of its libraries: three times while jax imports
@@ -55,12 +42,12 @@ def _quiet_cuda_plugin() -> None:
     silenced; the plugin is still registered, and compiling for a GPU topology works as before."""
     if _accelerator_present() or "jax" in sys.modules or importlib.util.find_spec("jax_cuda12_plugin") is None:
         return
-    with _native_stderr_silenced():
+    with native_stderr_silenced():
         from jax._src import xla_bridge
     discover = xla_bridge.discover_pjrt_plugins
 
     def discover_quietly() -> None:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             discover()
 
     xla_bridge.discover_pjrt_plugins = discover_quietly

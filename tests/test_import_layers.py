@@ -14,7 +14,7 @@ PACKAGES = ("glm5_jax", "pallas_kernels")
 
 # Lowest first. A module belongs to the first prefix it matches (longest prefixes are tried first).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("config", ("glm5_jax.config", "glm5_jax.tree_paths")),
+    ("config", ("glm5_jax.config", "glm5_jax.tree_paths", "glm5_jax.quiet")),
     ("data and devices", ("glm5_jax.data", "glm5_jax.distributed")),
     ("kernels", ("pallas_kernels",)),
     ("model", ("glm5_jax.model",)),

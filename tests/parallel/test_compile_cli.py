@@ -125,12 +125,15 @@ def test_an_mfu_above_one_is_an_error_naming_the_uncounted_kernels():
 @pytest.mark.slow
 def test_a_cpu_machine_starts_without_accelerator_noise():
     # The package first (as `glm5` starts): nothing at all from libtpu or the CUDA plugin, both installed by the
-    # test extra. jax first: the package still keeps jax on CPU and libtpu quiet (the plugin's import-time
-    # "cuda drivers" lines are then already out).
+    # test extra, even when libtpu describes a pod for `glm5 compile`. jax first: the package still keeps jax on
+    # CPU and libtpu quiet (the plugin's import-time "cuda drivers" lines are then already out).
     env = {key: value for key, value in subprocess_env().items() if key != "JAX_PLATFORMS"}
     noise = ("Failed to find host bounds", "unexpected worker hostname", "Unable to load CUDA", "Traceback")
+    describe_pod = ("import glm5_jax.cli, jax; from glm5_jax.parallel.topology import get_topology; "
+                    "get_topology('v5p-8').devices(); print(jax.devices()[0].platform)")  # what glm5 compile does
     for code, quiet in (("import glm5_jax.cli, jax; print(jax.devices()[0].platform)", noise + ("cuda drivers",)),
-                        ("import jax, glm5_jax.cli; print(jax.devices()[0].platform)", noise)):
+                        ("import jax, glm5_jax.cli; print(jax.devices()[0].platform)", noise),
+                        (describe_pod, noise + ("cuda drivers",))):
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
                                 timeout=300)
         assert result.returncode == 0, result.stderr

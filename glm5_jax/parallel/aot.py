@@ -122,6 +122,7 @@ def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | No
         "dynamic_loops_counted_once": stats.dynamic_loops,
         "matmul_flops_by_source": dict(list(stats.flops_by_source.items())[:TOP_SOURCES]),
         "collective_bytes_by_source": dict(list(stats.collective_bytes_by_source.items())[:TOP_SOURCES]),
+        "hbm_bytes_by_source": dict(list(stats.hbm_bytes_by_source.items())[:TOP_SOURCES]),
         "plan_total_bytes": planned["memory_bytes"]["total"], "plan_over_compiled": planned["memory_bytes"]["total"] / total,
         "roofline": roofline(stats, chip, model_flops_per_chip),
     }
@@ -181,7 +182,9 @@ def format_report(report: dict, config_path: str) -> str:
         lines.append(f"  NOT COUNTED: Pallas kernels without a declared cost (name: executions): "
                      f"{report['kernels_without_cost']}")
     lines.append(f"per-chip HBM traffic: {report['hbm_traffic_bytes']:,.0f} bytes (XLA cost_analysis, loop bodies "
-                 f"once: {report['xla_cost_bytes_loops_once']:,.0f})")
+                 f"once: {report['xla_cost_bytes_loops_once']:,.0f}); largest sources:")
+    for source, traffic in report.get("hbm_bytes_by_source", {}).items():
+        lines.append(f"  {traffic / max(report['hbm_traffic_bytes'], 1):6.1%}  {traffic:.3g}  {source}")
     lines.append("per-chip collective bytes sent (ring):")
     for kind, sent in sorted(report["collective_bytes"].items()):
         lines.append(f"  {kind:<18} {sent:>16,.0f} bytes in {report['collective_counts'][kind]} ops")

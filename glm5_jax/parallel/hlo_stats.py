@@ -445,6 +445,7 @@ class _Totals:
     flops: Counter = dataclasses.field(default_factory=Counter)  # source -> FLOPs
     kernel_flops: float = 0.0
     hbm: float = 0.0
+    hbm_by_source: Counter = dataclasses.field(default_factory=Counter)
     sent: Counter = dataclasses.field(default_factory=Counter)  # kind -> bytes
     sent_by_source: Counter = dataclasses.field(default_factory=Counter)
     sent_by_link: Counter = dataclasses.field(default_factory=Counter)
@@ -456,8 +457,9 @@ class _Totals:
         """Add a callee run `times` times; its unattributed work takes the calling instruction's source."""
         for key, value in other.flops.items():
             self.flops[source if key == _NO_METADATA else key] += times * value
-        for key, value in other.sent_by_source.items():
-            self.sent_by_source[source if key == _NO_METADATA else key] += times * value
+        for mine, theirs in ((self.sent_by_source, other.sent_by_source), (self.hbm_by_source, other.hbm_by_source)):
+            for key, value in theirs.items():
+                mine[source if key == _NO_METADATA else key] += times * value
         self.kernel_flops += times * other.kernel_flops
         self.hbm += times * other.hbm
         for mine, theirs in ((self.sent, other.sent), (self.sent_by_link, other.sent_by_link),
@@ -475,6 +477,7 @@ class HloStats:
     dynamic_loops: int  # while loops whose trip count is data-dependent (counted once)
     flops_by_source: dict[str, float] = dataclasses.field(default_factory=dict)  # op_name metadata -> FLOPs
     hbm_bytes: float = 0.0
+    hbm_bytes_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
     collective_bytes_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
     collective_bytes_by_link: dict[str, float] = dataclasses.field(default_factory=dict)  # intra / inter-node
     kernel_flops: float = 0.0  # the part of matmul_flops Pallas kernels declared
@@ -529,6 +532,7 @@ def _instruction_totals(inst: _Instruction, comp: _Computation, computations: di
         elif op == "dynamic-update-slice":
             traffic = 2 * _bytes(operand_shapes[1])
         totals.hbm += traffic
+        totals.hbm_by_source[source] += traffic
     totals.flops = +totals.flops  # drop zero entries
     return totals
 
@@ -582,6 +586,7 @@ def hlo_stats(text: str, num_devices: int, node_of_device: Sequence[int] | None 
         matmul_flops=float(sum(totals.flops.values())), collective_bytes=dict(totals.sent),
         collective_counts=dict(totals.counts), dynamic_loops=totals.dynamic,
         flops_by_source=dict(totals.flops.most_common()), hbm_bytes=totals.hbm,
+        hbm_bytes_by_source=dict(totals.hbm_by_source.most_common()),
         collective_bytes_by_source=dict(totals.sent_by_source.most_common()),
         collective_bytes_by_link=dict(totals.sent_by_link), kernel_flops=totals.kernel_flops,
         kernels_without_cost=dict(totals.uncosted.most_common()))

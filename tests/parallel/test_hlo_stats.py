@@ -183,6 +183,8 @@ def test_kernels_count_their_declared_cost_and_the_rest_are_named():
     assert stats.kernels_without_cost == {"bare_kernel": 3}
     # declared bytes for the costed kernel; operands and output (2 x 16 KiB) for the bare one
     assert stats.hbm_bytes == 3 * (7890 + 2 * 64 * 64 * 4)
+    assert stats.hbm_bytes_by_source["costed_kernel/pallas_call"] == 3 * 7890
+    assert sum(stats.hbm_bytes_by_source.values()) == stats.hbm_bytes
 
 
 def _matmul_kernel(x_ref, y_ref, o_ref):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from glm5_jax.config.mesh import AXIS_NAMES, MeshConfig, MeshConfigError
@@ -26,7 +27,14 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         raise MeshConfigError(f"cfg must be a MeshConfig, got {type(cfg).__name__}")
     devices = list(jax.devices() if devices is None else devices)
     cfg.validate_devices(len(devices))
-    return jax.make_mesh(cfg.shape, AXIS_NAMES, axis_types=(AxisType.Auto,) * len(AXIS_NAMES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(AXIS_NAMES)
+    try:
+        return jax.make_mesh(cfg.shape, AXIS_NAMES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU torus whose physical axes no product of mesh axes matches (v5p-1024, 8x8x8, as data 2 x expert
+        # 256): split a physical axis between two mesh axes instead of refusing.
+        grid = mesh_utils.create_device_mesh(cfg.shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, AXIS_NAMES, axis_types=axis_types)
 
 
 def mesh_axis_size(mesh: Mesh | None, name: str) -> int:

@@ -133,3 +133,16 @@ def test_constrain_without_a_mesh_is_the_identity():
     mesh = make_mesh(MeshConfig())
     y = jax.jit(lambda x: constrain(x, ("batch", "seq", "embed"), mesh))(x)
     assert y.sharding.is_fully_replicated and (y == x).all()
+
+
+@pytest.mark.tpu_aot
+def test_a_mesh_whose_axes_no_physical_product_matches_splits_a_torus_axis():
+    """v5p-1024 is an 8x8x8 torus: `data` 2 x `expert` 256 matches no product of its axes, so one is split."""
+    from glm5_jax.config.mesh import MeshConfig
+    from glm5_jax.distributed.mesh import make_mesh
+    from glm5_jax.parallel.topology import get_topology
+
+    devices = get_topology("v5p-1024").devices()
+    mesh = make_mesh(MeshConfig(data=2, expert=256), devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 256, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

@@ -14,27 +14,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.json_lines import emit
 from glm5_jax.config import TrainConfig, load_model_config
 from glm5_jax.model.transformer import init
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 from glm5_jax.train.step import init_train_state, make_train_step
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
-
-
-def emit(row: dict, out: str | None) -> None:
-    line = json.dumps({"check": "tiny_losses", **row})
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def run_steps(config, device, batches: list[dict], steps: int) -> list[float]:
@@ -78,15 +70,15 @@ def main(argv=None) -> int:
         accelerator = run_steps(on_accelerator, jax.devices(platform)[0], batches, args.steps)
         reference = run_steps(on_cpu, jax.devices("cpu")[0], batches, args.steps)
     except Exception as err:  # noqa: BLE001 - reported as a result line, the check script goes on
-        emit({"error": f"{type(err).__name__}: {err}"[:2000], "platform": platform}, args.out)
+        emit("tiny_losses", {"error": f"{type(err).__name__}: {err}"[:2000], "platform": platform}, args.out)
         return 1
     ok = True
     for step, (got, want) in enumerate(zip(accelerator, reference), start=1):
         close = bool(np.isclose(got, want, rtol=args.rtol, atol=0.0))
         ok &= close
-        emit({"step": step, "platform": platform, "loss": got, "cpu_loss": want,
+        emit("tiny_losses", {"step": step, "platform": platform, "loss": got, "cpu_loss": want,
               "relative_difference": abs(got - want) / abs(want), "close": close}, args.out)
-    emit({"summary": True, "platform": platform, "attention_backend": on_accelerator.attention_backend,
+    emit("tiny_losses", {"summary": True, "platform": platform, "attention_backend": on_accelerator.attention_backend,
           "steps": args.steps, "rtol": args.rtol, "ok": ok}, args.out)
     return 0 if ok else 1
 

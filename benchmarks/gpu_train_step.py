@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 import traceback
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.json_lines import emit
 from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.model import flops
 from glm5_jax.model.param_count import count_params
@@ -46,14 +46,6 @@ SMOKE = dataclasses.replace(
     num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2,
     index_head_dim=16, index_topk=16, attention_backend="sparse")
-
-
-def emit(row: dict, out: str | None) -> None:
-    line = json.dumps({"check": "train_step", **row})
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,7 +113,7 @@ def run(args: argparse.Namespace) -> None:
     tokens_per_s = batch * seq / statistics.median(times)
     per_token = flops.training_flops_per_token(config, seq)
     memory = jax.local_devices()[0].memory_stats() or {}
-    emit({
+    emit("train_step", {
         "device": jax.devices()[0].device_kind, "config": "smoke" if args.smoke else "glm5_1b",
         "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
         "batch": batch, "seq": seq, "mtp_steps": args.mtp_steps, "attention_backend": config.attention_backend,
@@ -140,8 +132,8 @@ def main(argv=None) -> None:
     try:
         run(args)
     except Exception as exc:  # an OOM or compile failure is a result to report, not a crash of the check
-        emit({"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]},
-             args.out)
+        emit("train_step", {"error": f"{type(exc).__name__}: {exc}"[:2000],
+                            "traceback": traceback.format_exc()[-3000:]}, args.out)
         raise SystemExit(1)
 
 

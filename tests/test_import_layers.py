@@ -1,4 +1,4 @@
-"""The package's imports run one way: config -> (data, distributed) -> kernels -> model -> (train, generation)
+"""The package's imports run one way: config -> (data, distributed) -> kernels -> ops -> model -> (train, generation)
 -> (parallel planning, conversion, RL driver) -> cli. A module may import its own layer or any layer below,
 never one above, and the module graph has no cycle. Every import counts, including those inside functions."""
 
@@ -17,6 +17,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("glm5_jax.config", "glm5_jax.tree_paths", "glm5_jax.quiet")),
     ("data and devices", ("glm5_jax.data", "glm5_jax.distributed")),
     ("kernels", ("pallas_kernels",)),
+    ("ops", ("glm5_jax.ops",)),
     ("model", ("glm5_jax.model",)),
     ("train and generation", ("glm5_jax.train", "glm5_jax.generation", "glm5_jax.checkpoint")),
     ("planning and conversion", ("glm5_jax.parallel", "glm5_jax.convert", "glm5_jax.rollout")),
@@ -117,10 +118,20 @@ def test_the_module_graph_has_no_cycle():
 
 
 def test_the_model_layer_holds_what_the_issue_puts_there():
-    """Kernels, expert parallelism and token logprobs sit with the model, below training."""
+    """Kernels, expert parallelism and token logprobs sit with the model, below training; the kernels are
+    chosen in the ops layer, between them and the model."""
     for module in ("glm5_jax.model.expert_parallel", "glm5_jax.model.token_logprobs"):
         assert layer_of(module) == [name for name, _ in LAYERS].index("model")
-    assert layer_of("pallas_kernels.sparse_mla") < layer_of("glm5_jax.model.attention")
+    assert layer_of("pallas_kernels.sparse_mla") < layer_of("glm5_jax.ops.sparse_attention")
+    assert layer_of("glm5_jax.ops.sparse_attention") < layer_of("glm5_jax.model.attention")
+
+
+def test_the_kernels_import_nothing_from_the_package():
+    """`pallas_kernels` stands alone: its tests and the ops layer import it, never the other way round."""
+    graph = import_graph()
+    assert [f"{module} imports {target}" for module, imports in sorted(graph.items())
+            if module.startswith("pallas_kernels") for target in sorted(imports)
+            if target.startswith("glm5_jax")] == []
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

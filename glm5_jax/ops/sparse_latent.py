@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model.query_chunks import map_query_chunks, merge_queries, num_query_chunks, split_queries
+from glm5_jax.ops.query_chunks import map_query_chunks, merge_queries, num_query_chunks, split_queries
 from pallas_kernels import NEG_INF
 
 

@@ -21,10 +21,10 @@ from flax import nnx
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
-from glm5_jax.ops.masks import selected_mask, visible_keys
 from glm5_jax.ops.platform import uses_kernels
 from glm5_jax.ops.sparse_attention import dense_attention_with_target, sparse_attention, sparse_attention_with_target
 from pallas_kernels import NEG_INF
+from pallas_kernels.masks import selected_mask, visible_keys
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
 LATENT_NORM_EPS = 1e-6

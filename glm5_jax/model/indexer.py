@@ -1,7 +1,7 @@
 """The DSA lightning indexer: one per "full" layer ("shared" layers reuse the previous top-k). It builds its
 queries and keys (`Indexer.__call__`) and selects the top-k keys of each query over the whole sequence
 (`topk`) or over a decoding cache (`topk_over_cache`); the scores and the selection themselves are the ops
-layer's (`glm5_jax.ops.indexer_select`, tie-breaking in `glm5_jax.ops.index_scores`)."""
+layer's (`glm5_jax.ops.indexer_select`; the jnp path and its tie-breaking in `pallas_kernels.chunked_topk`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.kv_cache import LayerCache, visible_slots, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved
-from glm5_jax.ops.index_scores import index_scores, topk_from_scores
 from glm5_jax.ops.indexer_select import indexer_topk
-from glm5_jax.ops.query_chunks import map_query_chunks, num_query_chunks
 from pallas_kernels import NEG_INF
+from pallas_kernels.chunked_topk import index_scores
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.reference import topk_from_scores
 
 INDEXER_NORM_EPS = 1e-6
 

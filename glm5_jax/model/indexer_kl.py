@@ -18,10 +18,10 @@ from glm5_jax.model.attention import MLA, Projection
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
 from glm5_jax.ops.indexer_select import indexer_scores
-from glm5_jax.ops.masks import selected_mask, visible_keys
-from glm5_jax.ops.query_chunks import map_query_chunks, num_query_chunks
-from glm5_jax.ops.sparse_latent import gather_rows
 from pallas_kernels import NEG_INF
+from pallas_kernels.masks import selected_mask, visible_keys
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.sparse_latent import gather_rows
 
 INDEXER_MODES = ("dense_warmup", "sparse")
 

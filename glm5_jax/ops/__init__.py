@@ -6,7 +6,8 @@ One function per operation; the model calls only these, never a kernel:
 - `indexer_topk`, `indexer_scores`: the lightning indexer's scores and top-k (`indexer_select.py`);
 - `grouped_matmul`: the routed experts' grouped matmul (`grouped_matmul.py`).
 Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Triton on GPU, interpreted on CPU;
-`ops.platform.uses_kernels`); every other backend runs the jnp path (`sparse_latent.py`, `index_scores.py`),
-which bounds memory with query blocks (`query_chunks.py`). Kernels run under `shard_map` over the batch axes
-of the mesh (`distributed.batch_local`): Mosaic kernels cannot be partitioned by GSPMD.
+`ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference
+(`pallas_kernels.sparse_latent`, `pallas_kernels.chunked_topk`; memory bounded by query blocks). Kernels run
+under `shard_map` over the batch axes of the mesh (`distributed.batch_local`): GSPMD cannot partition a Mosaic
+kernel.
 """

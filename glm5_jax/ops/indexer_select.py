@@ -9,10 +9,10 @@ import jax
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local
-from glm5_jax.ops.index_scores import index_scores, select_topk
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import indexer_scores as indexer_scores_kernel
 from pallas_kernels import indexer_topk as indexer_topk_kernel
+from pallas_kernels.chunked_topk import index_scores, select_topk
 
 
 def indexer_topk(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids: jax.Array, *,

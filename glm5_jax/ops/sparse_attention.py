@@ -3,9 +3,9 @@ place, with the indexer KL's targets (head-mean attention probabilities) for DSA
 
 Every head of a query attends over the same selected rows [c ; k_rope] (width C + R) of `rows` [B, T, C+R];
 q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
-`sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the kernels are
-`pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under `shard_map`
-(`batch_local`), since GSPMD cannot partition a Mosaic kernel."""
+`pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
+kernels are `pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under
+`shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local
 from glm5_jax.ops.platform import uses_kernels
-from glm5_jax.ops.sparse_latent import sparse_latent_attention
 from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
+from pallas_kernels.sparse_latent import sparse_latent_attention
 
 
 def _kernel_attention(q, rows, indices, config: ModelConfig):

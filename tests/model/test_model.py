@@ -15,7 +15,7 @@ from param_fill import random_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.mtp import shift_within_segment
 from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward as pure_forward, init, merge
-from glm5_jax.ops import index_scores as indexer
+from pallas_kernels import chunked_topk as indexer
 from glm5_jax.model.validation import InputError
 
 forward = jax.jit(pure_forward, static_argnames=FORWARD_STATIC_ARGNAMES)
@@ -76,7 +76,7 @@ def test_sparse_equals_dense_and_absorbed_equals_expanded(params):
 @pytest.mark.slow
 def test_absorbed_attention_equals_expanded_on_all_keys(params):
     from glm5_jax.model.layers import rope_angles
-    from glm5_jax.ops.sparse_latent import sparse_latent_attention
+    from pallas_kernels.sparse_latent import sparse_latent_attention
 
     graph, stacked = nnx.split(merge(params, TINY).dense_layers.attn)
     attn = nnx.merge(graph, jax.tree.map(lambda a: a[0], stacked))  # the first layer's MLA

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.ops.query_chunks import num_query_chunks
-from glm5_jax.ops.sparse_latent import sparse_latent_attention
+from pallas_kernels.query_chunks import num_query_chunks
+from pallas_kernels.sparse_latent import sparse_latent_attention
 from glm5_jax.model.transformer import forward, init
 from pallas_kernels import NEG_INF
 

@@ -1,4 +1,6 @@
-"""The lightning indexer's scores and top-k in jnp (the `indexer_select` operations' jnp path).
+"""The lightning indexer's top-k in jnp over blocks of queries (the model's path when it runs no kernel): the
+reference's scores (`reference.indexer_scores_reference`, at the backend's default matmul precision) and its
+top-k rule (`reference.topk_from_scores`), with at most one [B, chunk, T] score block alive at a time.
 
 I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
 negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
@@ -13,25 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.ops.masks import visible_keys
-from glm5_jax.ops.query_chunks import map_query_chunks, num_query_chunks
-from pallas_kernels import NEG_INF
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.reference import indexer_scores_reference, topk_from_scores
 
 
 def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                  k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
-    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF)."""
-    head_dim = q.shape[-1]
-    logits = jnp.einsum("BSIJ,BTJ->BSIT", q.astype(jnp.float32), k.astype(jnp.float32)) * head_dim**-0.5
-    scores = jnp.einsum("BSI,BSIT->BST", weights, jax.nn.relu(logits))
-    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, NEG_INF)
-
-
-def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
-    """int32 [B, S, min(topk, T)] key indices; slots that landed on invisible keys are -1."""
-    n = min(topk, scores.shape[-1])
-    values, indices = jax.lax.top_k(scores, n)
-    return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32)
+    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF), at the backend's default precision."""
+    return indexer_scores_reference(q, k, weights, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids,
+                                    q_offset=q_offset, precision=None)
 
 
 # Causal key bands: with q_offset 0 and as many keys as queries, the query blocks are grouped into up to this many

@@ -238,11 +238,11 @@ def layer_modules(config: ModelConfig, stack: str, layer_state, indexer_state) -
     return nnx.merge(layer_def, layer_state), nnx.merge(indexer_def, indexer_state)
 
 
-def merge(params, config: ModelConfig) -> GLM5:
-    """The model holding `params` (a pure dict or an `nnx.State`; host numpy arrays become device arrays);
-    the MTP module only when params hold it."""
-    with_mtp = bool(config.num_nextn_predict_layers) and "mtp" in params
-    return nnx.merge(graphdef(config, with_mtp), jax.tree.map(jnp.asarray, params))
+def merge(state, config: ModelConfig) -> GLM5:
+    """The model holding `state` (its pure dict or an `nnx.State`; host numpy arrays become device arrays);
+    the MTP module only when the state holds it."""
+    with_mtp = bool(config.num_nextn_predict_layers) and "mtp" in state
+    return nnx.merge(graphdef(config, with_mtp), jax.tree.map(jnp.asarray, state))
 
 
 # The arguments of `forward` that select code paths or shapes: static under `jax.jit`.

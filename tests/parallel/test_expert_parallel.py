@@ -76,7 +76,7 @@ def test_capacity_drops_the_rows_past_the_receive_buffer_and_counts_them(inputs)
     assert int(aux["dropped_assignments"]) == int((~kept).sum())
 
 
-def test_moe_block_ep_backend_without_mesh_matches_reference_backend():
+def test_moe_ep_backend_without_mesh_matches_reference_backend():
     params = init_moe(CONFIG, jax.random.key(4), jnp.float32)
     x = jax.random.normal(jax.random.key(5), (2, 6, CONFIG.hidden_size))
     mask = jnp.ones((2, 6), bool)

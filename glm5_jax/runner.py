@@ -234,13 +234,14 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
     if cfg.train.mode == "rl":
         rl_config = rl_step_config_from_dict(cfg.rl)
         optim_config = rl_optim_config(cfg.optim, rl_config)  # the DSA indexer is frozen in RL by default
-    optimizer = make_optimizer(optim_config, params)
+    optimizer = make_optimizer(optim_config, params, config=cfg.model)
     schedule = learning_rate_schedule(optim_config)
-    opt_state = init_opt_state_sharded(optimizer, params, layout.mesh)
+    opt_state = init_opt_state_sharded(optimizer, params, layout.mesh, config=cfg.model)
     state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), layout.replicated), params=params,
                        opt_state=opt_state)
-    state_shardings = TrainState(step=layout.replicated, params=param_shardings(params, layout.mesh),
-                                 opt_state=opt_state_shardings(opt_state, layout.mesh))
+    state_shardings = TrainState(step=layout.replicated,
+                                 params=param_shardings(params, layout.mesh, config=cfg.model),
+                                 opt_state=opt_state_shardings(opt_state, layout.mesh, config=cfg.model))
     step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config,
                               mesh=layout.mesh, state_shardings=state_shardings, batch_sharding=layout.batch)
     checked_leaves = checked_leaf_names(state.params, state.opt_state)

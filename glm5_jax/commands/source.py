@@ -117,7 +117,8 @@ def load_source(path: str | Path, *, step: int | None = None, mesh_items: list[s
         if step is not None:
             raise CommandError(f"--step={step} is invalid for a Hugging Face checkpoint (it holds one set of weights)")
         params, config = load_hf_checkpoint(path)
-        return ModelSource(path, kind, shard_params(params, mesh), config, 0, None, tokenizer, mesh)
+        return ModelSource(path, kind, shard_params(params, mesh, config=config), config, 0, None, tokenizer,
+                           mesh)
     steps = checkpoint_steps(path)
     if step is not None and step not in steps:
         raise CommandError(f"--step={step} is invalid: {path / 'checkpoints'} holds steps {steps}")

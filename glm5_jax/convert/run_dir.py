@@ -65,6 +65,6 @@ def restore_run_params(run_dir: Path, mesh, step: int | None = None):
                                  f"step {step} of {run_dir / 'checkpoints'} with that shape")
             return jax.ShapeDtypeStruct(leaf.shape, stored[name].dtype, sharding=sharding)
 
-        targets = jax.tree_util.tree_map_with_path(target, abstract, param_shardings(abstract, mesh))
+        targets = jax.tree_util.tree_map_with_path(target, abstract, param_shardings(abstract, mesh, config=config))
         restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(targets)))
     return restored["params"], config

@@ -52,11 +52,11 @@ def abstract_train_step(cfg: ExperimentConfig, devices):
                            "rollouts; compile the same model in mode pretrain or sft")
     mesh = make_mesh(cfg.mesh.resolve(len(devices)), devices)
     params = abstract_params(cfg.model)
-    optimizer = make_optimizer(cfg.optim, params)
+    optimizer = make_optimizer(cfg.optim, params, config=cfg.model)
     opt_state = jax.eval_shape(optimizer.init, params)
     replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(step=replicated, params=param_shardings(params, mesh),
-                           opt_state=opt_state_shardings(opt_state, mesh))
+    shardings = TrainState(step=replicated, params=param_shardings(params, mesh, config=cfg.model),
+                           opt_state=opt_state_shardings(opt_state, mesh, config=cfg.model))
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
                        params=_with_shardings(params, shardings.params),
                        opt_state=_with_shardings(opt_state, shardings.opt_state))

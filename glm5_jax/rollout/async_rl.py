@@ -104,7 +104,7 @@ def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, o
             or train_config.seq_len != task.seq_len:
         raise ConfigError(f"train={train_config!r} is invalid here: needs mode 'rl', batch_size = "
                           f"prompts_per_step * group_size = {config.batch_size}, seq_len = {task.seq_len}")
-    optimizer = make_optimizer(rl_optim_config(optim_config, rl_config), params)
+    optimizer = make_optimizer(rl_optim_config(optim_config, rl_config), params, config=model_config)
     step = make_train_step(model_config, train_config, optimizer, rl_config=rl_config)
     state = init_train_state(copy_tree(params), optimizer)
     worker = RolloutWorker(params, 0, model_config, task, config)

@@ -173,7 +173,8 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if mode != "dsa_warmup":  # the warm-up freezes everything but the indexer, routing bias included
-            new_params = update_correction_biases(new_params, counts, train_config.bias_update_rate)
+            new_params = update_correction_biases(new_params, counts, train_config.bias_update_rate,
+                                                  config=model_config)
         metrics = _metrics(sums, dens, counts, grads, batch, train_config, mode)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state.step)

@@ -143,7 +143,7 @@ def adamw_step():
     optim = rl_optim_config(OptimConfig(name="adamw", lr=5e-2, weight_decay=0.1, warmup_steps=0, total_steps=100,
                                         schedule="constant"), RL)
     assert optim.trainable == "non_indexer"
-    return make_train_step(CONFIG, TRAIN, make_optimizer(optim, _params_like()), rl_config=RL), optim
+    return make_train_step(CONFIG, TRAIN, make_optimizer(optim, _params_like(), config=CONFIG), rl_config=RL), optim
 
 
 def _params_like():
@@ -154,7 +154,7 @@ def _params_like():
 def test_indexer_is_frozen_by_default_in_rl(params, records, adamw_step):
     step, optim = adamw_step
     assert rl_optim_config(OptimConfig(), dataclasses.replace(RL, train_indexer=True)).trainable == "all"
-    new_params = step(_state(params, make_optimizer(optim, params)), _batch(records))[0].params
+    new_params = step(_state(params, make_optimizer(optim, params, config=CONFIG)), _batch(records))[0].params
     for name, old, new in (("indexers", params["indexers"], new_params["indexers"]),
                            ("mtp indexer", params["mtp"]["layer"]["indexer"], new_params["mtp"]["layer"]["indexer"])):
         for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
@@ -191,7 +191,7 @@ def test_a_short_rl_run_on_a_bandit_task_raises_the_mean_reward(params, adamw_st
     """One-token answers (every id is an EOS id); reward 1 for an id in the lower half of the vocabulary
     (about half at the start). Same shapes as the other tests, so generation and the step are compiled once."""
     step, optim = adamw_step
-    state = _state(params, make_optimizer(optim, params))
+    state = _state(params, make_optimizer(optim, params, config=CONFIG))
     group_size = 4
     prompts = [PROMPTS[1 + row // group_size] for row in range(2 * group_size)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, eos_ids=tuple(range(CONFIG.vocab_size)))

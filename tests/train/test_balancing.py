@@ -36,7 +36,8 @@ def test_only_the_router_biases_move_each_by_its_own_counts(params):
 
 def test_missing_counts_leave_a_section_alone_and_a_foreign_leaf_is_refused(params):
     moved = update_correction_biases(params, {"main": None}, 0.5, config=CONFIG)
-    assert moved["moe_layers"]["moe"]["e_score_correction_bias"] is params["moe_layers"]["moe"]["e_score_correction_bias"]
+    bias = lambda tree: tree["moe_layers"]["moe"]["e_score_correction_bias"]  # noqa: E731
+    assert bias(moved) is bias(params)
     with pytest.raises(ParamMetadataError, match="'moe_layers/moe/extra_bias' is not a weight"):
         update_correction_biases({"moe_layers": {"moe": {"extra_bias": jnp.zeros((MOE_LAYERS, EXPERTS))}}},
                                  {"main": jnp.ones((MOE_LAYERS, EXPERTS))}, 0.5, config=CONFIG)

@@ -11,8 +11,8 @@
 `LMObjective` serves pretrain / sft (next-token + MTP + balance losses; SFT differs only by its loss mask),
 dsa_warmup (dense attention, indexer-only KL to the main attention) and dsa_sparse (top-k attention, LM loss
 for the model + KL over the selected set for the detached indexer); `RLObjective` (glm5_jax.train.rl_step)
-serves rl. The objective's terms are weighted in one place (`LMObjective.terms`), used for the gradient and
-for the reported loss alike.
+serves rl. The losses are weighted in one place (`LMObjective.loss_weights`), for the gradient and for the
+reported loss alike.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from glm5_jax.train.rl_step import RLObjective
 
 INDEXER_MODE = {"dsa_warmup": "dense_warmup", "dsa_sparse": "sparse"}
 LM_BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+_METRIC_NAMES = {"lm": "lm_loss", "mtp": "mtp_loss", "balance": "balance_loss", "indexer_kl": "indexer_kl"}
 # Reported separately (its weight is tiny), so `loss` stays comparable across balance settings.
 _NOT_IN_REPORTED_LOSS = ("balance",)
 
@@ -65,19 +66,14 @@ class LMObjective:
             "indexer_kl": jnp.maximum(real * kl_layers, 1).astype(jnp.float32),
         }
 
-    def terms(self, sums: dict, dens: dict) -> dict:
-        """Each loss's weighted share of the objective (the model's losses only when the model trains)."""
+    def loss_weights(self, sums: dict) -> dict:
+        """The weight of each loss in the objective, for the losses present (the model's only when the model
+        trains): the one place the terms are weighted, for the gradient and the reported loss alike."""
         train = self.train_config
-        weighted = {}
-        if self.trains_model:
-            weighted["lm"] = sums["lm"] / dens["lm"]
-            if "mtp" in sums:
-                weighted["mtp"] = train.mtp_loss_weight * sums["mtp"] / dens["mtp"]
-            if "balance" in sums:
-                weighted["balance"] = train.balance_loss_weight * sums["balance"] / dens["balance"]
-        if "indexer_kl" in sums:
-            weighted["indexer_kl"] = train.indexer_kl_weight * sums["indexer_kl"] / dens["indexer_kl"]
-        return weighted
+        weights = {"lm": 1.0, "mtp": train.mtp_loss_weight, "balance": train.balance_loss_weight} \
+            if self.trains_model else {}
+        weights["indexer_kl"] = train.indexer_kl_weight
+        return {name: weight for name, weight in weights.items() if name in sums}
 
     def __call__(self, params, mb: dict, dens: dict):
         out = forward(params, mb["tokens"], config=self.model_config, positions=mb["positions"],
@@ -101,15 +97,15 @@ class LMObjective:
         counts = {"main": moe_aux.get("expert_counts")}
         if "mtp" in out.aux:
             counts["mtp"] = out.aux["mtp"]["expert_counts"].sum(0)
-        return sum(self.terms(sums, dens).values()), (sums, counts)
+        value = sum(weight * sums[name] / dens[name] for name, weight in self.loss_weights(sums).items())
+        return value, (sums, counts)
 
     def metrics(self, sums: dict, dens: dict, counts: dict) -> dict:
-        names = {"lm": "lm_loss", "mtp": "mtp_loss", "balance": "balance_loss", "indexer_kl": "indexer_kl"}
-        metrics = {name: sums[key] / dens[key] for key, name in names.items() if key in sums}
+        metrics = {_METRIC_NAMES[name]: sums[name] / dens[name] for name in _METRIC_NAMES if name in sums}
         if self.reports_topk_mass:
             metrics["topk_attention_mass"] = sums["topk_mass"] / dens["indexer_kl"]
-        metrics["loss"] = sum(value for key, value in self.terms(sums, dens).items()
-                              if key not in _NOT_IN_REPORTED_LOSS)
+        metrics["loss"] = sum(weight * metrics[_METRIC_NAMES[name]] for name, weight in self.loss_weights(sums).items()
+                              if name not in _NOT_IN_REPORTED_LOSS)
         if counts.get("main") is not None:
             load = counts["main"].astype(jnp.float32)
             mean = jnp.maximum(load.mean(-1), 1e-9)

@@ -1,5 +1,5 @@
-"""The objective is chosen once from train.mode, and its terms are weighted in one place: the value the step
-differentiates and the loss it reports come from the same terms."""
+"""The objective is chosen once from train.mode, and its losses are weighted in one place: the value the step
+differentiates and the loss it reports use the same weights."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,14 +42,12 @@ def test_rl_needs_its_config():
         make_objective(MODEL, TrainConfig(mode="rl", **TRAIN))
 
 
-def test_language_model_terms_and_the_reported_loss():
+def test_language_model_weights_and_the_reported_loss():
     objective = _objective("dsa_sparse")
-    terms = objective.terms(SUMS, DENS)
-    expected = {"lm": 3.0, "mtp": 0.5 * 2.0, "balance": 0.25 * 2.0, "indexer_kl": 2.0 * 1.0}
-    assert {k: float(v) for k, v in terms.items()} == expected
+    assert objective.loss_weights(SUMS) == {"lm": 1.0, "mtp": 0.5, "balance": 0.25, "indexer_kl": 2.0}
     metrics = objective.metrics(SUMS, DENS, COUNTS)
     # The balance loss is trained on but reported on its own, not in `loss`.
-    np.testing.assert_allclose(metrics["loss"], 3.0 + 1.0 + 2.0)
+    np.testing.assert_allclose(metrics["loss"], 3.0 + 0.5 * 2.0 + 2.0 * 1.0)
     assert float(metrics["balance_loss"]) == 2.0 and "topk_attention_mass" not in metrics
     np.testing.assert_allclose(metrics["expert_load_max"], [6 / 3])
     assert objective.updates_router_bias
@@ -57,7 +55,7 @@ def test_language_model_terms_and_the_reported_loss():
 
 def test_the_dsa_warm_up_trains_only_the_indexer():
     objective = _objective("dsa_warmup")
-    assert list(objective.terms(SUMS, DENS)) == ["indexer_kl"]
+    assert objective.loss_weights(SUMS) == {"indexer_kl": 2.0}
     metrics = objective.metrics(SUMS, DENS, COUNTS)
     assert float(metrics["loss"]) == 2.0 and float(metrics["lm_loss"]) == 3.0  # reported, not trained
     assert float(metrics["topk_attention_mass"]) == 0.5
@@ -66,5 +64,4 @@ def test_the_dsa_warm_up_trains_only_the_indexer():
 
 def test_pretraining_without_dsa_has_no_indexer_term():
     sums = {k: v for k, v in SUMS.items() if k not in ("indexer_kl", "topk_mass")}
-    terms = _objective("pretrain").terms(sums, DENS)
-    assert list(terms) == ["lm", "mtp", "balance"]
+    assert list(_objective("pretrain").loss_weights(sums)) == ["lm", "mtp", "balance"]

@@ -33,7 +33,8 @@ def run_steps(config, device, batches: list[dict], steps: int) -> list[float]:
     """Losses of `steps` AdamW steps from the same initial weights, every array on `device`."""
     with jax.default_device(device):
         params = init(config, jax.random.key(0))
-        optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3, warmup_steps=0, total_steps=steps), params)
+        optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3, warmup_steps=0, total_steps=steps), params,
+                                   config=config)
         rows, seq = batches[0]["tokens"].shape
         train_step = make_train_step(config, TrainConfig(batch_size=rows, seq_len=seq), optimizer)
         state = init_train_state(params, optimizer)

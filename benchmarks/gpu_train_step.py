@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> None:
     counts = count_params(config)
     optim = OptimConfig(name="adamw", lr=1e-4, warmup_steps=0, schedule="constant")
     params = init(config, jax.random.key(0))
-    optimizer = make_optimizer(optim, params)
+    optimizer = make_optimizer(optim, params, config=config)
     step = make_train_step(config, TrainConfig(batch_size=batch, seq_len=seq), optimizer)
     state = init_train_state(params, optimizer)
     rng = np.random.default_rng(0)

@@ -101,7 +101,7 @@ def jax_child(spec: dict) -> dict:
     seq = spec["seq"]
     config = model_config(seq, spec["index_query_chunk"], spec["remat_policy"])
     params = init(config, jax.random.key(spec["seed"]))
-    optimizer = make_optimizer(OPTIM, params)
+    optimizer = make_optimizer(OPTIM, params, config=config)
     step = make_train_step(config, TrainConfig(mode=spec["mode"], batch_size=1, seq_len=seq), optimizer)
     state = {"s": init_train_state(params, optimizer)}
     del params

@@ -34,7 +34,7 @@ from glm5_jax.train.step import init_train_state, make_train_step
 
 def step_tokens_per_s(config, batch: int, seq: int, steps: int, warmup: int, seed: int) -> float:
     params = init(config, jax.random.key(seed))
-    optimizer = make_optimizer(OPTIM, params)
+    optimizer = make_optimizer(OPTIM, params, config=config)
     step = make_train_step(config, train_config_for(batch, seq), optimizer)
     state = init_train_state(params, optimizer)
     times = []
@@ -50,7 +50,7 @@ def step_tokens_per_s(config, batch: int, seq: int, steps: int, warmup: int, see
 def compile_seconds(config, batch: int, seq: int) -> float:
     """Lower + compile the training step from abstract shapes (nothing is allocated or run)."""
     params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
-    optimizer = make_optimizer(OPTIM, params)
+    optimizer = make_optimizer(OPTIM, params, config=config)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer), params)
     step = make_train_step(config, train_config_for(batch, seq), optimizer)
     batch_shapes = jax.eval_shape(lambda: lm_batch(jnp.zeros((batch, seq), jnp.int32)))

@@ -88,7 +88,7 @@ def train_runner(seq: int):
 
     config = model_config(seq, 1024, "full")
     params = init(config, jax.random.key(0))
-    optimizer = make_optimizer(OPTIM, params)
+    optimizer = make_optimizer(OPTIM, params, config=config)
     step = make_train_step(config, TrainConfig(mode="dsa_sparse", batch_size=1, seq_len=seq), optimizer)
     box = [init_train_state(params, optimizer)]
     batch = lm_batch(np.random.default_rng(1).integers(0, config.vocab_size, (1, seq), dtype=np.int32))

@@ -89,7 +89,7 @@ def train_config_for(batch: int, seq: int) -> TrainConfig:
 
 def jax_train_runner(params, config: ModelConfig, batch: int, seq: int):
     """A closure that runs one training step on a token batch and blocks; returns the step's lm_loss."""
-    optimizer = make_optimizer(OPTIM, params)
+    optimizer = make_optimizer(OPTIM, params, config=config)
     step = make_train_step(config, train_config_for(batch, seq), optimizer)
     state = {"s": init_train_state(jax.tree.map(jnp.array, params), optimizer)}
 

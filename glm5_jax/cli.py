@@ -21,12 +21,12 @@ the file or field, the value and what is valid, and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from glm5_jax.commands import evaluate, generate, prompts, rollout  # their docstrings are the --help texts
 from glm5_jax.commands.evaluate import EVAL_MODES, eval_config, run_eval
@@ -34,7 +34,7 @@ from glm5_jax.commands.generate import GenerateOptions, run_generate
 from glm5_jax.commands.prompts import THINKING_MODES, read_prompts
 from glm5_jax.commands.rollout import check_out, load_reward, run_rollout
 from glm5_jax.commands.source import load_source, stop_ids
-from glm5_jax.config import DTYPES, ConfigError, load_model_config
+from glm5_jax.config import DTYPES, ConfigError, from_dict, load_model_config, parse_overrides
 from glm5_jax.config.experiment import load_experiment
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.convert.run_dir import mesh_from_overrides, parse_size, restore_run_params
@@ -50,7 +50,6 @@ from glm5_jax.train.run_lock import RunLockedError
 
 PLAN_USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] [batch=N seq=N "
               "remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] [model.key=value ...]")
-_PLAN_SETTING_TYPES = {"batch": int, "seq": int, "remat": str, "optimizer": str, "device_memory_gib": float}
 
 
 def _peak_rss_gib() -> float:
@@ -78,24 +77,17 @@ def _cmd_train(args) -> int:
 
 def parse_plan_items(items: list[str]) -> tuple[MeshConfig, plan.PlanSettings, list[str]]:
     """`glm5 plan`'s key=value items: mesh.<axis>, plan settings, anything else a model override."""
-    mesh_values: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
-    overrides = []
-    for item in items:
-        if "=" not in item:
-            raise plan.PlanError(f"argument {item!r} is invalid: expected key=value, e.g. mesh.fsdp=8 or batch=16")
-        key, value = item.split("=", 1)
-        try:
-            if key.startswith("mesh."):
-                mesh_values[key[len("mesh."):]] = int(value)
-            elif key in _PLAN_SETTING_TYPES:
-                settings[key] = _PLAN_SETTING_TYPES[key](value)
-            else:
-                overrides.append(item)
-        except ValueError:
-            raise plan.PlanError(f"{key}={value!r} is invalid: must be a "
-                                 f"{_PLAN_SETTING_TYPES.get(key, int).__name__}") from None
-    return MeshConfig.from_mapping(mesh_values), plan.PlanSettings(**settings).validate(), overrides
+    settings_fields = [field.name for field in dataclasses.fields(plan.PlanSettings)]
+    try:
+        values = parse_overrides(items, usage="key=value, e.g. mesh.fsdp=8 or batch=16")
+        settings = from_dict(plan.PlanSettings, {k: v for k, v in values.items() if k in settings_fields})
+    except ConfigError as err:
+        raise plan.PlanError(str(err)) from None
+    mesh = values.get("mesh", {})
+    if not isinstance(mesh, dict):
+        raise plan.PlanError(f"mesh={mesh!r} is invalid: give each axis its size, e.g. mesh.fsdp=8")
+    model_items = [item for item in items if item.partition("=")[0].split(".")[0] not in ("mesh", *settings_fields)]
+    return MeshConfig.from_mapping(mesh), settings.validate(), model_items
 
 
 def _cmd_plan(args) -> int:

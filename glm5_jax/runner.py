@@ -10,21 +10,17 @@ or skip). One live run owns the directory (run.lock). README "When a run stops" 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
-from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.config import ConfigError
-from glm5_jax.config.experiment import ExperimentConfig
-from glm5_jax.config.rl import rl_step_config_from_dict
+from glm5_jax.config.experiment import ExperimentConfig, experiment_to_dict
 from glm5_jax.data.chat import read_chat_jsonl, render_dataset
 from glm5_jax.data.corpus import stdlib_corpus
 from glm5_jax.data.pretrain import pretrain_dataset, read_jsonl
@@ -34,19 +30,14 @@ from glm5_jax.data.sft import sft_dataset
 from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.data.sharded import ShardedBatches, merge_states, owned_shards
 from glm5_jax.model.flops import training_flops_per_token
-from glm5_jax.distributed.mesh import make_mesh
-from glm5_jax.distributed.logical_axes import logical_to_spec
-from glm5_jax.distributed.runtime import (DistributedError, allgather_json, global_batch, initialize, is_primary,
-                                       process_row_block)
-from glm5_jax.parallel.sharding import init_opt_state_sharded, init_sharded, opt_state_shardings, param_shardings
-from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
-from glm5_jax.train.rl_step import rl_optim_config
-from glm5_jax.train.step import TrainState, make_train_step, validate_batch
+from glm5_jax.distributed.runtime import allgather_json, initialize, is_primary
+from glm5_jax.parallel.trainer import MeshLayout, Trainer, build_trainer
+from glm5_jax.train.step import TrainState, validate_batch
 from glm5_jax.train.held_out import batch_loss_fn
 from glm5_jax.train.finite_guard import checked_leaf_names, describe_non_finite
+from glm5_jax.train.metrics_log import MetricsLog, metrics_to_host
 from glm5_jax.train.resume import check_resume_config, default_experiment_dict, drop_metrics_after
 from glm5_jax.train.run_lock import RunLock
-from glm5_jax.train.tensorboard import SummaryWriter
 
 
 class TrainingError(RuntimeError):
@@ -98,7 +89,7 @@ def rollout_batches(cfg: ExperimentConfig, seed: int):
     broken groups; every drop counted), advantages over whole groups, then fixed-shape batches."""
     if cfg.train.mode != "rl":
         raise ConfigError(f"data.source='rollouts' is invalid for train.mode={cfg.train.mode!r}: use mode rl")
-    rl = rl_step_config_from_dict(cfg.rl)
+    rl = cfg.rl
     records = [r for path in cfg.data.paths for r in read_rollouts(path)]
     if not records:
         raise RolloutError(f"data.paths={list(cfg.data.paths)} hold no rollout records")
@@ -114,24 +105,8 @@ def rollout_batches(cfg: ExperimentConfig, seed: int):
 
 
 def _flat_settings(cfg: ExperimentConfig) -> dict:
-    return {f"{section}.{key}": value for section, fields in dataclasses.asdict(cfg).items()
+    return {f"{section}.{key}": value for section, fields in experiment_to_dict(cfg).items()
             if isinstance(fields, dict) for key, value in fields.items()}
-
-
-def _to_host(metrics: dict) -> dict:
-    out = {}
-    for key, value in jax.device_get(metrics).items():
-        value = np.asarray(value)
-        out[key] = float(value) if value.ndim == 0 else [round(float(v), 6) for v in value.ravel()]
-    return out
-
-
-def _progress(step: int, total: int, metrics: dict, tokens_per_s: float, elapsed: float) -> str:
-    width = 24
-    done = int(width * step / total)
-    eta = elapsed / max(step, 1) * (total - step)
-    return (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total} loss {metrics['loss']:.4f} "
-            f"tok/s {tokens_per_s:,.0f} eta {eta:,.0f}s")
 
 
 def data_layout(cfg: ExperimentConfig) -> tuple[int, range]:
@@ -154,31 +129,6 @@ def sharded_batches(cfg: ExperimentConfig, tokenizer, split: str = "train", seed
         return dataset
 
     return ShardedBatches(stream, shards), stats
-
-
-class MeshLayout:
-    """The run's mesh and the shardings of its batch and state."""
-
-    def __init__(self, cfg: ExperimentConfig):
-        mesh_cfg = cfg.mesh.resolve(jax.device_count())
-        self.mesh = make_mesh(mesh_cfg)
-        rows = cfg.train.batch_size
-        shards = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.expert
-        if (rows // cfg.train.microbatches) % shards:
-            raise ConfigError(f"train.batch_size={rows} is invalid: each of the {cfg.train.microbatches} "
-                              f"microbatches must split evenly over the {shards} batch shards of mesh "
-                              f"{mesh_cfg.axis_sizes()}")
-        # Only the leading (row) dim is named, so one sharding serves batch keys of any rank.
-        self.batch = NamedSharding(self.mesh, logical_to_spec(("batch",), (rows,), self.mesh))
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.rows = rows
-        start, stop = process_row_block(self.batch, rows)
-        if stop - start != rows // jax.process_count():
-            raise DistributedError(f"process {jax.process_index()} holds {stop - start} of {rows} batch rows; "
-                                   "each process must hold an equal share: make the batch axes span the processes")
-
-    def global_batch(self, local: dict) -> dict:
-        return global_batch(local, self.batch, self.rows)
 
 
 def evaluate(cfg: ExperimentConfig, params, tokenizer, layout: MeshLayout) -> float | None:
@@ -220,112 +170,98 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
     run_dir = Path(cfg.train.run_dir)
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
-    layout = MeshLayout(cfg)
-    log(f"mesh: {dict(layout.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
+    trainer = build_trainer(cfg)
+    trainer.layout.require_equal_process_rows()
+    log(f"mesh: {dict(trainer.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     tokenizer = build_tokenizer(cfg)
-    iterator, data_stats = sharded_batches(cfg, tokenizer)
+    batches, data_stats = sharded_batches(cfg, tokenizer)
     log(f"data: {json.dumps(data_stats)}")
+    state = _initial_state(cfg, trainer, log)
+    with Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
+                      max_to_keep=cfg.checkpoint.keep) as checkpointer:
+        state, start, config_changes = _resume(cfg, trainer, state, batches, checkpointer, allow_config_change, log)
+        if primary:
+            _write_run_config(run_dir, cfg, start)
+        with MetricsLog(run_dir, cfg.train, first_step=start + 1, primary=primary, log=log,
+                        flops_per_token=training_flops_per_token(cfg.model, cfg.train.seq_len)) as metrics_log:
+            for step in range(start + 1, cfg.train.steps + 1):
+                state, host = _train_step(cfg, trainer, state, batches, step)
+                if host["non_finite"]:
+                    _refuse_non_finite(cfg, step, host, state, checkpointer, config_changes, log)
+                    metrics_log.skipped(step, host)
+                    continue
+                metrics_log.record(step, host)
+                _save_if_due(cfg, step, state, host, batches, checkpointer)
+            checkpointer.wait_until_finished()
+            last = metrics_log.last
+            eval_loss = None if cfg.train.mode == "rl" else evaluate(cfg, state.params, tokenizer, trainer.layout)
+            summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "resumed_from": start,
+                       "first_loss": metrics_log.first_loss, "final_loss": last and last["loss"],
+                       "eval_loss": eval_loss, "seconds": round(metrics_log.seconds(), 1)}
+    log("summary: " + json.dumps(summary))
+    return summary
 
-    params = init_sharded(cfg.model, jax.random.key(cfg.train.seed), layout.mesh)
+
+def _initial_state(cfg: ExperimentConfig, trainer: Trainer, log) -> TrainState:
+    """Step 0: fresh parameters, or those of `train.init_from`'s latest checkpoint; a fresh optimizer."""
+    params = trainer.init_params(jax.random.key(cfg.train.seed))
     if cfg.train.init_from:
         params = load_params(cfg.train.init_from, params)
         log(f"initialised parameters from {cfg.train.init_from}")
-    optim_config, rl_config = cfg.optim, None
-    if cfg.train.mode == "rl":
-        rl_config = rl_step_config_from_dict(cfg.rl)
-        optim_config = rl_optim_config(cfg.optim, rl_config)  # the DSA indexer is frozen in RL by default
-    optimizer = make_optimizer(optim_config, params)
-    schedule = learning_rate_schedule(optim_config)
-    opt_state = init_opt_state_sharded(optimizer, params, layout.mesh)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), layout.replicated), params=params,
-                       opt_state=opt_state)
-    state_shardings = TrainState(step=layout.replicated, params=param_shardings(params, layout.mesh),
-                                 opt_state=opt_state_shardings(opt_state, layout.mesh))
-    step_fn = make_train_step(cfg.model, cfg.train, optimizer, lr_schedule=schedule, rl_config=rl_config,
-                              mesh=layout.mesh, state_shardings=state_shardings, batch_sharding=layout.batch)
-    checked_leaves = checked_leaf_names(state.params, state.opt_state)
+    return trainer.init_state(params)
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
-                                max_to_keep=cfg.checkpoint.keep)
-    start, config_changes = 0, []
-    if cfg.checkpoint.resume and checkpointer.latest_step() is not None:
-        config_changes = check_resume_config(checkpointer.saved_config(), dataclasses.asdict(cfg),
-                                             step=checkpointer.latest_step(), allow_change=allow_config_change,
-                                             defaults=default_experiment_dict())
-        restored = checkpointer.restore(state.params, state.opt_state)
-        state = state._replace(step=jax.device_put(jnp.asarray(restored.step, jnp.int32), layout.replicated),
-                               params=restored.params, opt_state=restored.opt_state)
-        if restored.data_state is not None:
-            iterator.set_state(restored.data_state)
-        start = restored.step
-        log(f"resumed from step {start} in {checkpointer.directory}")
-    if primary:
-        # Written once the restore succeeded, so a refused resume leaves the run's config as it was.
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(cfg))),
-                                                             sort_keys=False))
-        drop_metrics_after(run_dir / "metrics.jsonl", start)  # steps after the restored one run (and log) again
 
-    flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
-    writer = SummaryWriter(run_dir / "tb", first_step=start + 1) if primary else None
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if primary else None
-    first_loss = last = None
-    t_start = time.perf_counter()
-    t_window, tokens_window = t_start, 0.0
+def _resume(cfg: ExperimentConfig, trainer: Trainer, state: TrainState, batches, checkpointer: Checkpointer,
+            allow_config_change: bool, log) -> tuple[TrainState, int, list[str]]:
+    """(state, its step, the config changes since the checkpoint) from the run's latest checkpoint, if any
+    and if the config agrees with the saved one; the data iterator is moved to the saved position."""
+    latest = checkpointer.latest_step()
+    if not cfg.checkpoint.resume or latest is None:
+        return state, 0, []
+    changes = check_resume_config(checkpointer.saved_config(), experiment_to_dict(cfg), step=latest,
+                                  allow_change=allow_config_change, defaults=default_experiment_dict())
+    restored = checkpointer.restore(state.params, state.opt_state)
+    state = TrainState(step=jax.device_put(jnp.asarray(restored.step, jnp.int32), trainer.layout.replicated),
+                       params=restored.params, opt_state=restored.opt_state)
+    if restored.data_state is not None:
+        batches.set_state(restored.data_state)
+    log(f"resumed from step {restored.step} in {checkpointer.directory}")
+    return state, restored.step, changes
+
+
+def _write_run_config(run_dir: Path, cfg: ExperimentConfig, start: int) -> None:
+    """Written once the restore succeeded, so a refused resume leaves the run's config as it was."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(experiment_to_dict(cfg))),
+                                                         sort_keys=False))
+    drop_metrics_after(run_dir / "metrics.jsonl", start)  # steps after the restored one run (and log) again
+
+
+def _train_step(cfg: ExperimentConfig, trainer: Trainer, state: TrainState, batches, step: int):
+    """(new state, its metrics on the host) from the next batch; this process validates its own rows."""
     try:
-        for step in range(start + 1, cfg.train.steps + 1):
-            try:
-                local = next(iterator)
-            except StopIteration:
-                raise TrainingError(f"the dataset ran out of batches at step {step}") from None
-            validate_batch(local, cfg.model, cfg.train, step_fn.required_keys)  # this process's rows, on the host
-            state, metrics = step_fn.jitted(state, layout.global_batch(local))
-            host = _to_host(metrics)
-            if host["non_finite"]:
-                message = describe_non_finite(step, host, checked_leaves, _flat_settings(cfg), state.params,
-                                              checkpointer.latest_step(), config_changes)
-                if cfg.train.non_finite == "stop":
-                    raise TrainingError(f"{message}\n  the last good checkpoint (step "
-                                        f"{checkpointer.latest_step()}) is kept")
-                log(f"skipped (train.non_finite=skip): {message}")
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps({"step": step, "skipped": True, **host}) + "\n")
-                    metrics_file.flush()
-                continue
-            tokens_window += host["tokens"]
-            first_loss = host["loss"] if first_loss is None else first_loss
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                now = time.perf_counter()
-                tokens_per_s = tokens_window / (now - t_window)
-                host["tokens_per_s"] = tokens_per_s
-                host["model_tflops_per_s"] = tokens_per_s * flops_per_token / 1e12
-                if cfg.train.peak_flops_per_device:
-                    host["mfu"] = tokens_per_s * flops_per_token / (cfg.train.peak_flops_per_device
-                                                                    * jax.device_count())
-                log(_progress(step, cfg.train.steps, host, tokens_per_s, now - t_start))
-                t_window, tokens_window = now, 0.0
-                if writer is not None:
-                    writer.scalars(step, {k: v for k, v in host.items() if isinstance(v, float)})
-            if metrics_file is not None:
-                metrics_file.write(json.dumps({"step": step, **host}) + "\n")
-                metrics_file.flush()
-            last = host
-            final = step == cfg.train.steps
-            if final or checkpointer.should_save(step):
-                # Every process's data position, gathered so that any process count can resume from it.
-                data_state = merge_states(allgather_json(iterator.get_state()))
-                checkpointer.save_if_finite(step, loss=host["loss"], params=state.params,
-                                            opt_state=state.opt_state, data_state=data_state,
-                                            config=dataclasses.asdict(cfg), force=final)
-        checkpointer.wait_until_finished()
-        summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "resumed_from": start,
-                   "first_loss": first_loss, "final_loss": last and last["loss"],
-                   "eval_loss": evaluate(cfg, state.params, tokenizer, layout) if cfg.train.mode != "rl" else None,
-                   "seconds": round(time.perf_counter() - t_start, 1)}
-        log("summary: " + json.dumps(summary))
-        return summary
-    finally:
-        if writer is not None:
-            writer.close()
-        if metrics_file is not None:
-            metrics_file.close()
-        checkpointer.close()
+        local = next(batches)
+    except StopIteration:
+        raise TrainingError(f"the dataset ran out of batches at step {step}") from None
+    validate_batch(local, cfg.model, cfg.train, trainer.step.required_keys)
+    state, metrics = trainer.step.jitted(state, trainer.layout.global_batch(local))
+    return state, metrics_to_host(metrics)
+
+
+def _refuse_non_finite(cfg: ExperimentConfig, step: int, host: dict, state: TrainState, checkpointer: Checkpointer,
+                       config_changes: list[str], log) -> None:
+    """The step was not applied: stop naming the first non-finite leaf, or (train.non_finite=skip) say so."""
+    message = describe_non_finite(step, host, checked_leaf_names(state.params, state.opt_state),
+                                  _flat_settings(cfg), state.params, checkpointer.latest_step(), config_changes)
+    if cfg.train.non_finite == "stop":
+        raise TrainingError(f"{message}\n  the last good checkpoint (step {checkpointer.latest_step()}) is kept")
+    log(f"skipped (train.non_finite=skip): {message}")
+
+
+def _save_if_due(cfg: ExperimentConfig, step: int, state: TrainState, host: dict, batches,
+                 checkpointer: Checkpointer) -> None:
+    final = step == cfg.train.steps
+    if final or checkpointer.should_save(step):
+        # Every process's data position, gathered so that any process count can resume from it.
+        data_state = merge_states(allgather_json(batches.get_state()))
+        checkpointer.save_if_finite(step, loss=host["loss"], params=state.params, opt_state=state.opt_state,
+                                    data_state=data_state, config=experiment_to_dict(cfg), force=final)

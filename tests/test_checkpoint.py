@@ -9,9 +9,15 @@ from orbax.checkpoint.path import atomicity
 import pytest
 
 from glm5_jax.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from glm5_jax.config import ModelConfig
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 
 V, D, C, H, NOPE, P, L, E = 8, 4, 6, 2, 2, 3, 2, 3
+# The model whose weights `make_params` holds part of (the optimizer reads each weight's metadata off it).
+CONFIG = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=4, moe_intermediate_size=4,
+                     num_hidden_layers=2 * L, first_k_dense_replace=L, num_attention_heads=H, q_lora_rank=4,
+                     kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=2, v_head_dim=P, n_routed_experts=E,
+                     num_experts_per_tok=1, n_group=1, topk_group=1, index_n_heads=1, index_head_dim=4, index_topk=2)
 
 
 def make_params(seed):
@@ -26,7 +32,7 @@ def make_params(seed):
     }
 
 
-OPTIMIZER = make_optimizer(OptimConfig(name="muon"), make_params(0))
+OPTIMIZER = make_optimizer(OptimConfig(name="muon"), make_params(0), config=CONFIG)
 UPDATE = jax.jit(OPTIMIZER.update)
 
 
@@ -139,7 +145,7 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
         missing["extra"] = {"scale": jnp.zeros((D,))}
         with pytest.raises(CheckpointError, match="no parameter 'extra/scale'"):
             ckpt.restore(missing)
-        adamw_state = make_optimizer(OptimConfig(name="adamw"), params).init(params)
+        adamw_state = make_optimizer(OptimConfig(name="adamw"), params, config=CONFIG).init(params)
         with pytest.raises(CheckpointError, match="optimizer state"):
             ckpt.restore(params, adamw_state)
         with pytest.raises(CheckpointError, match="data_state must be JSON"):

@@ -1,10 +1,14 @@
 """Configuration loading, overrides and validation errors that name field, value and the valid range."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from glm5_jax.config import ConfigError, ModelConfig, apply_overrides, load_model_config
+from glm5_jax.config import ConfigError, ModelConfig, apply_overrides, load_model_config, parse_overrides
+from glm5_jax.config.experiment import experiment_from_dict, experiment_to_dict, load_experiment
+from glm5_jax.config.mesh import mesh_values
+from glm5_jax.config.rl import RLStepConfig
 from glm5_jax.model.param_count import count_params
 
 
@@ -105,3 +109,33 @@ def test_a_query_chunk_that_does_not_divide_the_sequence_is_refused():
         assert load_experiment("configs/tiny.yaml", base + [f"model.index_query_chunk={ok}"])
     with pytest.raises(ConfigError, match=r"model.index_query_chunk=48 is invalid: must divide train.seq_len=128"):
         load_experiment("configs/tiny.yaml", base + ["model.index_query_chunk=48"])
+
+
+def test_every_subcommand_parses_overrides_with_one_parser():
+    assert parse_overrides(["train.steps=5", "model.indexer_types=[full, shared]", "mesh.fsdp=-1"]) == {
+        "train": {"steps": 5}, "model": {"indexer_types": ["full", "shared"]}, "mesh": {"fsdp": -1}}
+    assert mesh_values(["mesh.fsdp=8", "mesh.expert=2"]) == {"fsdp": 8, "expert": 2}
+    for item in ("fsdp=2", "mesh=2", "mesh.fsdp"):  # outside the mesh section, or no value
+        with pytest.raises(ConfigError, match=rf"argument '{item}' is invalid: expected mesh.<axis>=<size>"):
+            mesh_values([item])
+    with pytest.raises(ConfigError, match="'steps' is not a section"):
+        parse_overrides(["train.steps=5", "train.steps.x=1"])
+
+
+def test_the_rl_section_is_parsed_when_the_file_is_loaded(tmp_path):
+    path = tmp_path / "rl.yaml"
+    path.write_text("base: " + str(Path("configs/tiny.yaml").resolve()) + "\ntrain: {mode: rl}\n"
+                    "rl: {loss: icepop_grpo, eps_low: 0.2, eps_high: 0.28, replay_routing: false}\n")
+    experiment = load_experiment(path)
+    assert isinstance(experiment.rl, RLStepConfig) and experiment.rl.objective.loss == "icepop_grpo"
+    assert not experiment.rl.replay_routing
+    # Written back in the file's flat layout, and read back to the same config.
+    saved = experiment_to_dict(experiment)
+    assert saved["rl"]["loss"] == "icepop_grpo" and saved["rl"]["replay_routing"] is False
+    assert experiment_from_dict(saved) == experiment
+    with pytest.raises(ConfigError, match=r"rl.yaml: rl.clip=0.2 is invalid: unknown key"):
+        load_experiment(path, ["rl.clip=0.2"])
+    with pytest.raises(ConfigError, match=r"eps_high=None is invalid: loss 'icepop_grpo' needs it"):
+        load_experiment(path, ["rl.eps_high=null"])
+    with pytest.raises(ConfigError, match=r"rl=None is invalid: train.mode=rl needs an rl: section"):
+        load_experiment(path, ["rl={}"])

@@ -1,10 +1,14 @@
 """The package's imports run one way: config -> (data, distributed) -> kernels -> ops -> model -> (train, generation)
 -> (parallel planning, conversion, RL driver) -> cli. A module may import its own layer or any layer below,
-never one above, and the module graph has no cycle. Every import counts, including those inside functions."""
+never one above, and the module graph has no cycle. Every import counts, including those inside functions.
+The kernels import nothing of glm5_jax, and every module is reached from the package's entry points (not
+only from tests, benchmarks or experiments)."""
 
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -109,12 +113,73 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def kernel_imports_of_the_package(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} imports {target}" for module, imports in sorted(graph.items())
+            if module.split(".")[0] == "pallas_kernels" for target in sorted(imports)
+            if target.split(".")[0] == "glm5_jax"]
+
+
+# `MODULE:FUNCTION` in a string: a module the package loads by name (`glm5 rollout --reward MODULE:FUNCTION`).
+_LOADED_BY_NAME = re.compile(r"\b((?:glm5_jax|pallas_kernels)(?:\.\w+)+):\w+")
+
+
+def modules_named_in_strings(path: Path, known: set[str]) -> set[str]:
+    return {match for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            for match in _LOADED_BY_NAME.findall(node.value) if match in known}
+
+
+def entry_points(root: Path = ROOT) -> set[str]:
+    """The package itself, its command-line module and the modules of its console scripts (pyproject.toml)."""
+    scripts = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {}).get("scripts", {})
+    return {"glm5_jax", "glm5_jax.cli"} | {target.split(":")[0] for target in scripts.values()}
+
+
+def unreached_modules(root: Path = ROOT, entries: set[str] | None = None) -> set[str]:
+    """Modules that no chain of imports from the entry points reaches. Importing a.b.c runs the packages a and
+    a.b first; a module a reached one names as `MODULE:FUNCTION` is loaded by name and counts as reached."""
+    modules = project_modules(root)
+    graph = import_graph(root)
+    todo, reached = list(entry_points(root) if entries is None else entries), set()
+    while todo:
+        module = todo.pop()
+        if module in reached or module not in modules:
+            continue
+        reached.add(module)
+        parts = module.split(".")
+        todo.extend(".".join(parts[:end]) for end in range(1, len(parts)))
+        todo.extend(graph[module] | modules_named_in_strings(modules[module], set(modules)))
+    return set(modules) - reached
+
+
+# Modules that no entry point reaches yet, each with the reason; the test fails once one is reached, so this
+# list only shrinks.
+NOT_YET_REACHED = {
+    "glm5_jax.rollout": "the asynchronous RL driver's package (below)",
+    "glm5_jax.rollout.async_rl": "the asynchronous RL driver: run by experiments/rl_async/run.py, no glm5 "
+                                 "subcommand runs it",
+    "glm5_jax.config.async_rl": "the asynchronous RL driver's config (above)",
+}
+
+
 def test_every_module_has_a_layer_and_imports_only_downward():
     assert upward_imports(import_graph()) == []
 
 
 def test_the_module_graph_has_no_cycle():
     assert find_cycle(import_graph()) is None
+
+
+def test_the_kernels_import_nothing_of_glm5_jax():
+    assert kernel_imports_of_the_package(import_graph()) == []
+
+
+def test_every_module_is_reached_from_the_entry_points():
+    """No module is only imported by tests, benchmarks or experiments (or by nothing at all)."""
+    unreached = unreached_modules()
+    assert sorted(unreached - set(NOT_YET_REACHED)) == []
+    assert sorted(set(NOT_YET_REACHED) - unreached) == [], "reached now: remove them from NOT_YET_REACHED"
+    assert "glm5_jax.cli" in entry_points(), "the console script glm5 runs glm5_jax.cli:main"
 
 
 def test_the_model_layer_holds_what_the_issue_puts_there():
@@ -124,14 +189,6 @@ def test_the_model_layer_holds_what_the_issue_puts_there():
         assert layer_of(module) == [name for name, _ in LAYERS].index("model")
     assert layer_of("pallas_kernels.sparse_mla") < layer_of("glm5_jax.ops.sparse_attention")
     assert layer_of("glm5_jax.ops.sparse_attention") < layer_of("glm5_jax.model.attention")
-
-
-def test_the_kernels_import_nothing_from_the_package():
-    """`pallas_kernels` stands alone: its tests and the ops layer import it, never the other way round."""
-    graph = import_graph()
-    assert [f"{module} imports {target}" for module, imports in sorted(graph.items())
-            if module.startswith("pallas_kernels") for target in sorted(imports)
-            if target.startswith("glm5_jax")] == []
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -156,6 +213,25 @@ def test_a_cycle_is_reported(tmp_path):
                       "glm5_jax/model/a.py": "from glm5_jax.model import b\n",
                       "glm5_jax/model/b.py": "import glm5_jax.model.a\n"})
     assert find_cycle(import_graph(tmp_path)) == ["glm5_jax.model.a", "glm5_jax.model.b", "glm5_jax.model.a"]
+
+
+def test_a_kernel_importing_the_package_is_reported(tmp_path):
+    _write(tmp_path, {"glm5_jax/__init__.py": "", "glm5_jax/model/__init__.py": "", "pallas_kernels/__init__.py": "",
+                      "glm5_jax/model/layers.py": "", "pallas_kernels/k.py": "from glm5_jax.model import layers\n"})
+    assert kernel_imports_of_the_package(import_graph(tmp_path)) == [
+        "pallas_kernels.k imports glm5_jax.model.layers"]
+
+
+def test_a_module_only_tests_import_is_reported(tmp_path):
+    _write(tmp_path, {"pyproject.toml": '[project.scripts]\ntool = "glm5_jax.tool:main"\n',
+                      "glm5_jax/__init__.py": "", "glm5_jax/cli.py": "from glm5_jax.model import moe\n",
+                      "glm5_jax/tool.py": "import pallas_kernels.k\n", "glm5_jax/model/__init__.py": "",
+                      "glm5_jax/model/moe.py": "HELP = 'e.g. --reward glm5_jax.model.rewards:fn'\n",
+                      "glm5_jax/model/rewards.py": "", "glm5_jax/model/orphan.py": "import glm5_jax.model.leaf\n",
+                      "glm5_jax/model/leaf.py": "", "pallas_kernels/__init__.py": "", "pallas_kernels/k.py": "",
+                      "pallas_kernels/unused/__init__.py": ""})
+    assert entry_points(tmp_path) == {"glm5_jax", "glm5_jax.cli", "glm5_jax.tool"}
+    assert unreached_modules(tmp_path) == {"glm5_jax.model.orphan", "glm5_jax.model.leaf", "pallas_kernels.unused"}
 
 
 @pytest.mark.parametrize("module", ["glm5_jax.experimental_thing", "glm5_jax.configuration", "somewhere.else"])

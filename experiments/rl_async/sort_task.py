@@ -72,7 +72,7 @@ def sft(params, model_config: ModelConfig, task: SortTask, config: AsyncRLConfig
     train = TrainConfig(mode="sft", batch_size=config.sft_batch_size, seq_len=task.seq_len, bias_update_rate=1e-3)
     optim = OptimConfig(name="adamw", lr=config.sft_lr, min_lr=config.sft_lr, warmup_steps=0,
                         total_steps=config.sft_steps, schedule="constant", weight_decay=0.0)
-    optimizer = make_optimizer(optim, params)
+    optimizer = make_optimizer(optim, params, config=model_config)
     step = make_train_step(model_config, train, optimizer)
     state = init_train_state(copy_tree(params), optimizer)
     rng = np.random.default_rng(config.seed + 1)

@@ -29,7 +29,8 @@ from glm5_jax.config import apply_overrides, load_yaml
 from glm5_jax.config.experiment import ExperimentConfig, experiment_from_dict
 from glm5_jax.config.init_model import agreeing_model
 from glm5_jax.data.tokenizer import ByteTokenizer
-from glm5_jax.runner import MeshLayout, sharded_batches
+from glm5_jax.parallel.trainer import MeshLayout
+from glm5_jax.runner import sharded_batches
 from glm5_jax.train.held_out import batch_loss_fn
 
 EVAL_MODES = ("pretrain", "sft")
@@ -86,6 +87,7 @@ def run_eval(source: ModelSource, cfg: ExperimentConfig, *, batches: int | None 
         raise CommandError(f"the tokenizer has {source.tokenizer.vocab_size} ids but the model only "
                            f"{cfg.model.vocab_size}: give the tokenizer it was trained with (--tokenizer)")
     layout = MeshLayout(cfg)
+    layout.require_equal_process_rows()
     split = "validation" if cfg.data.source == "stdlib" else "train"
     iterator, stats = sharded_batches(cfg, source.tokenizer, split=split, seed_offset=1)
     batch_loss = batch_loss_fn(cfg.model, cfg.train.vocab_chunk, layout.mesh, layout.replicated)

@@ -16,7 +16,7 @@ import yaml
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.config.experiment import default_mesh
-from glm5_jax.config.mesh import MeshConfig
+from glm5_jax.config.mesh import MeshConfig, mesh_values
 from glm5_jax.convert.hf import load_hf_checkpoint
 from glm5_jax.convert.run_dir import restore_run_params
 from glm5_jax.data.tokenizer import load_tokenizer
@@ -67,18 +67,8 @@ def source_kind(path: str | Path) -> str:
     return "run"
 
 
-def parse_mesh_items(items: list[str]) -> dict[str, int]:
-    sizes = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("mesh.") or not value.lstrip("-").isdigit():
-            raise CommandError(f"argument {item!r} is invalid: expected mesh.<axis>=<size>, e.g. mesh.fsdp=2")
-        sizes[key[len("mesh."):]] = int(value)
-    return sizes
-
-
 def _mesh(run_config: dict | None, items: list[str]):
-    values = default_mesh({**((run_config or {}).get("mesh") or {}), **parse_mesh_items(items)})
+    values = default_mesh({**((run_config or {}).get("mesh") or {}), **mesh_values(items, usage="mesh.<axis>=<size>, e.g. mesh.fsdp=2")})
     return make_mesh(MeshConfig.from_mapping(values).resolve(jax.device_count()))
 
 
@@ -117,7 +107,8 @@ def load_source(path: str | Path, *, step: int | None = None, mesh_items: list[s
         if step is not None:
             raise CommandError(f"--step={step} is invalid for a Hugging Face checkpoint (it holds one set of weights)")
         params, config = load_hf_checkpoint(path)
-        return ModelSource(path, kind, shard_params(params, mesh), config, 0, None, tokenizer, mesh)
+        return ModelSource(path, kind, shard_params(params, mesh, config=config), config, 0, None, tokenizer,
+                           mesh)
     steps = checkpoint_steps(path)
     if step is not None and step not in steps:
         raise CommandError(f"--step={step} is invalid: {path / 'checkpoints'} holds steps {steps}")

@@ -412,20 +412,44 @@ def _parse_override_value(text: str) -> Any:
         return text
 
 
+OVERRIDE_USAGE = "key=value, e.g. model.index_topk=64"
+
+
+def _parse_override(item: str, sections: tuple[str, ...] | None, usage: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar or list)."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    inside = sections is None or (len(parts) > 1 and parts[0] in sections)
+    if not sep or not all(parts) or not inside:
+        raise ConfigError(f"argument {item!r} is invalid: expected {usage}")
+    return parts, _parse_override_value(text)
+
+
+def _assign(root: dict, parts: list[str], value: Any) -> None:
+    node = root
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            _fail(".".join(parts), value, f"'{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str], *, sections: tuple[str, ...] | None = None,
+                    usage: str = OVERRIDE_USAGE) -> dict[str, Any]:
+    """The one parser of every subcommand's `a.b.c=value` arguments: a nested mapping of the values. With
+    `sections`, every key must lie inside one of them (`mesh.fsdp=8`); `usage` is what a malformed item is
+    told to look like."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        _assign(nested, *_parse_override(item, sections, usage))
+    return nested
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides to a nested mapping (values parsed as YAML scalars/lists)."""
+    """A copy of the nested mapping `data` with each `a.b.c=value` override set in turn."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
     for item in overrides:
-        if "=" not in item:
-            _fail("override", item, "must look like key=value, e.g. model.index_topk=64")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = data
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                _fail(key, text, f"'{part}' is not a section")
-        node[parts[-1]] = _parse_override_value(text)
+        _assign(data, *_parse_override(item, None, OVERRIDE_USAGE))
     return data
 
 

@@ -1,6 +1,7 @@
-"""An experiment = one YAML file with sections model / optim / train / data / checkpoint (/ rl), loaded with
-`key=value` overrides (`train.steps=50`, `model.index_topk=64`) and validated before anything compiles.
-With `train.init_from=RUN` the model section may be left out: the model is that run's (`init_model.py`)."""
+"""An experiment = one YAML file with sections model / optim / train / data / checkpoint (/ mesh / distributed /
+rl), loaded with `key=value` overrides (`train.steps=50`, `model.index_topk=64`), every section parsed into its
+dataclass and validated before anything compiles. With `train.init_from=RUN` the model section may be left out:
+the model is that run's (`init_model.py`). `experiment_to_dict` writes it back in the file's layout."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from glm5_jax.config.distributed import DistributedConfig
 from glm5_jax.config.init_model import model_for_init_from
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.config.optim import OptimConfig
+from glm5_jax.config.rl import RLStepConfig, rl_step_config_as_dict, rl_step_config_from_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +26,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig
     mesh: MeshConfig = MeshConfig(fsdp=-1)
     distributed: DistributedConfig = DistributedConfig()
-    rl: dict | None = None  # RLConfig fields (train.mode == "rl"); parsed by glm5_jax.config.rl
+    rl: RLStepConfig | None = None  # train.mode == "rl"
 
     def validate(self) -> "ExperimentConfig":
         try:
@@ -45,7 +47,7 @@ class ExperimentConfig:
         if 0 < chunk < seq_len and seq_len % chunk:
             # The blocks would silently fall back to one block of every query, with its memory.
             _fail("model.index_query_chunk", chunk, f"must divide train.seq_len={seq_len} (or be 0 or >= it)")
-        if self.train.mode == "rl" and not self.rl:
+        if self.train.mode == "rl" and self.rl is None:
             _fail("rl", self.rl, "train.mode=rl needs an rl: section (loss, eps_low, eps_high, ...)")
         return self
 
@@ -100,7 +102,13 @@ def experiment_from_dict(data: dict) -> ExperimentConfig:
     kwargs["mesh"] = from_dict(MeshConfig, default_mesh(data.get("mesh") or {}), prefix="mesh.")
     for name, section in kwargs.items():  # directly-built sections (optim) skip the loader's finite check
         require_finite_floats(section, name + ".")
-    return ExperimentConfig(**kwargs, rl=data.get("rl")).validate()
+    rl = rl_step_config_from_dict(data["rl"]) if data.get("rl") else None  # an empty rl: section is no section
+    return ExperimentConfig(**kwargs, rl=rl).validate()
+
+
+def experiment_to_dict(cfg: ExperimentConfig) -> dict:
+    """Plain data in the layout of an experiment file (what config.yaml and checkpoints store)."""
+    return {**dataclasses.asdict(cfg), "rl": None if cfg.rl is None else rl_step_config_as_dict(cfg.rl)}
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:

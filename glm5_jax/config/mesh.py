@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+from glm5_jax.config.core import parse_overrides
+
 AXIS_NAMES = ("data", "fsdp", "expert", "tensor")
 # Axes that split the batch of tokens (every axis but `tensor`), outermost first.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -72,3 +74,11 @@ class MeshConfig:
             raise MeshConfigError(f"mesh.{unknown[0]}={values[unknown[0]]!r} is invalid: unknown mesh axis; "
                                   f"the axes are {list(AXIS_NAMES)}")
         return cls(**values)
+
+
+MESH_USAGE = "mesh.<axis>=<size>, e.g. mesh.fsdp=8"
+
+
+def mesh_values(items: list[str], usage: str = MESH_USAGE) -> dict[str, Any]:
+    """The axis sizes of `mesh.<axis>=N` command-line items (any other item is refused naming `usage`)."""
+    return parse_overrides(items, sections=("mesh",), usage=usage).get("mesh", {})

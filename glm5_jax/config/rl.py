@@ -105,13 +105,15 @@ def rl_step_config_from_dict(data: dict) -> RLStepConfig:
     return dataclasses.replace(step, objective=objective).validate()
 
 
-def as_rl_step_config(rl_config) -> RLStepConfig:
-    """An RLStepConfig from an RLStepConfig, a bare RLConfig (replay on, indexer frozen) or an `rl:` mapping."""
-    if isinstance(rl_config, RLStepConfig):
-        return rl_config.validate()
-    if isinstance(rl_config, RLConfig):
-        return RLStepConfig(objective=rl_config).validate()
-    if isinstance(rl_config, dict):
-        return rl_step_config_from_dict(rl_config)
-    raise ConfigError(f"rl_config={rl_config!r} is invalid: mode 'rl' needs an RLStepConfig, an RLConfig or "
-                      "an rl: mapping with loss, eps_low, eps_high, ...")
+def rl_step_config_as_dict(config: RLStepConfig) -> dict:
+    """The `rl:` mapping `rl_step_config_from_dict` reads back: RLConfig fields and the step fields, flat."""
+    return {**dataclasses.asdict(config.objective),
+            **{name: getattr(config, name) for name in _STEP_FIELDS}}
+
+
+def require_rl_step_config(rl_config) -> RLStepConfig:
+    """`rl_config`, validated; mode rl cannot run without one."""
+    if not isinstance(rl_config, RLStepConfig):
+        raise ConfigError(f"rl_config={rl_config!r} is invalid: mode 'rl' needs an RLStepConfig (an experiment's "
+                          "rl: section with loss, eps_low, eps_high, ...; see rl_step_config_from_dict)")
+    return rl_config.validate()

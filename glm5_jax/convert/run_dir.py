@@ -10,7 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from glm5_jax.config import load_model_config
-from glm5_jax.config.mesh import MeshConfig
+from glm5_jax.config.mesh import MeshConfig, mesh_values
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.parallel.sharding import abstract_params, param_shardings
 from glm5_jax.tree_paths import path_string
@@ -29,13 +29,7 @@ def parse_size(text: str) -> int:
 
 def mesh_from_overrides(overrides: list[str]):
     """The mesh of `mesh.<axis>=N` arguments (default: one device on every axis)."""
-    sizes = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("mesh.") or not value.isdigit():
-            raise ValueError(f"argument {item!r} is invalid: expected mesh.<axis>=<size>, e.g. mesh.fsdp=8")
-        sizes[key[len("mesh."):]] = int(value)
-    return make_mesh(MeshConfig.from_mapping(sizes))
+    return make_mesh(MeshConfig.from_mapping(mesh_values(overrides)))
 
 
 def restore_run_params(run_dir: Path, mesh, step: int | None = None):
@@ -65,6 +59,6 @@ def restore_run_params(run_dir: Path, mesh, step: int | None = None):
                                  f"step {step} of {run_dir / 'checkpoints'} with that shape")
             return jax.ShapeDtypeStruct(leaf.shape, stored[name].dtype, sharding=sharding)
 
-        targets = jax.tree_util.tree_map_with_path(target, abstract, param_shardings(abstract, mesh))
+        targets = jax.tree_util.tree_map_with_path(target, abstract, param_shardings(abstract, mesh, config=config))
         restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(targets)))
     return restored["params"], config

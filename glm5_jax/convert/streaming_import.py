@@ -117,7 +117,7 @@ def import_hf(path: str | Path, *, mesh: Mesh | None = None, config: ModelConfig
                              "(mesh.<axis>=N on the command line)")
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), abstract)
     else:
-        shardings = param_shardings(abstract, mesh)
+        shardings = param_shardings(abstract, mesh, config=config)
     cache = ItemCache()
 
     def build(recipe, dtype, sharding):

@@ -23,8 +23,6 @@ import numpy as np
 
 from glm5_jax.data.corpus import Document
 
-BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
-
 
 class DataError(ValueError):
     """Input data is missing, malformed or empty."""

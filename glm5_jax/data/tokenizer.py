@@ -67,15 +67,6 @@ class Tokenizer(Protocol):
     def add_special_tokens(self, names: Sequence[str]) -> list[int]: ...
 
 
-def pad_vocab_to(vocab_size: int, multiple: int) -> int:
-    """Smallest multiple of `multiple` holding `vocab_size` ids (vocabularies are padded for sharding)."""
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if not isinstance(multiple, int) or multiple < 1:
-        raise ValueError(f"multiple must be a positive int, got {multiple!r}")
-    return -(-vocab_size // multiple) * multiple
-
-
 def _check_text(text: object) -> str:
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")

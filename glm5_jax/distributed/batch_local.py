@@ -8,8 +8,6 @@ leading dim split over the mesh's batch axes, so each device sorts only its own 
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax.sharding import PartitionSpec
 
@@ -62,9 +60,3 @@ def batch_local(fn, mesh, batched: tuple, replicated: tuple = ()):
         jax.tree.map(lambda _: PartitionSpec(), x) for x in replicated)
     return jax.shard_map(lambda *args: fn(*args), mesh=_active_mesh(mesh), in_specs=in_specs, out_specs=spec,
                          check_vma=False)(*batched, *replicated)
-
-
-def shard_count(mesh, leading_dim: int) -> int:
-    """How many batch shards `batch_local` would make of `leading_dim` rows."""
-    mesh = _active_mesh(mesh)
-    return math.prod(dict(mesh.shape)[a] for a in batch_split_axes(mesh, leading_dim)) if mesh else 1

@@ -18,19 +18,13 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.config.experiment import ExperimentConfig
 from glm5_jax.model.flops import training_flops_per_token
 from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats, hlo_stats
-from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.parallel.plan import PlanSettings, plan
-from glm5_jax.distributed.logical_axes import logical_to_spec
-from glm5_jax.parallel.sharding import abstract_params, opt_state_shardings, param_shardings
 from glm5_jax.parallel.topology import GIB, ChipSpec, Topology
-from glm5_jax.train.optim import make_optimizer
-from glm5_jax.train.step import LM_BATCH_KEYS, TrainState, make_train_step
+from glm5_jax.parallel.trainer import build_trainer
 
 
 TOP_SOURCES = 8  # FLOPs and collective bytes are attributed to the JAX operations they came from, largest first
@@ -40,32 +34,13 @@ class CompileError(ValueError):
     """The step cannot be compiled as asked."""
 
 
-def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype),
-                                                                    sharding=sharding), tree, shardings)
-
-
 def abstract_train_step(cfg: ExperimentConfig, devices):
-    """(jitted step, abstract state, abstract batch, mesh) exactly as `glm5 train` builds them, over `devices`."""
+    """(jitted step, abstract state, abstract batch, mesh) of the trainer `glm5 train` builds, over `devices`."""
     if cfg.train.mode == "rl":
         raise CompileError("train.mode='rl' is invalid for glm5 compile: its batch layout comes from stored "
                            "rollouts; compile the same model in mode pretrain or sft")
-    mesh = make_mesh(cfg.mesh.resolve(len(devices)), devices)
-    params = abstract_params(cfg.model)
-    optimizer = make_optimizer(cfg.optim, params)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(step=replicated, params=param_shardings(params, mesh),
-                           opt_state=opt_state_shardings(opt_state, mesh))
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-                       params=_with_shardings(params, shardings.params),
-                       opt_state=_with_shardings(opt_state, shardings.opt_state))
-    rows, seq = cfg.train.batch_size, cfg.train.seq_len
-    batch_sharding = NamedSharding(mesh, logical_to_spec(("batch",), (rows,), mesh))
-    batch = {key: jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=batch_sharding) for key in LM_BATCH_KEYS}
-    step = make_train_step(cfg.model, cfg.train, optimizer, mesh=mesh, state_shardings=shardings,
-                           batch_sharding=batch_sharding)
-    return step.jitted, state, batch, mesh
+    trainer = build_trainer(cfg, devices)
+    return trainer.step.jitted, trainer.abstract_state(), trainer.abstract_batch(), trainer.mesh
 
 
 def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | None = None) -> dict:

@@ -105,8 +105,8 @@ def _spec_axes(spec) -> set[str]:
     return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
-def sharded_param_bytes(params, sizes: dict[str, int]) -> int:
-    specs = param_specs(params, sizes)
+def sharded_param_bytes(params, sizes: dict[str, int], config: ModelConfig) -> int:
+    specs = param_specs(params, sizes, config=config)
     return sum(_nbytes(leaf) // _shards(spec, sizes)
                for leaf, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec)))
 
@@ -115,12 +115,12 @@ def _is_spec(x) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def optimizer_state_bytes(params, optimizer: str, sizes: dict[str, int]) -> int:
-    tx = make_optimizer(OptimConfig(name=optimizer), params)
+def optimizer_state_bytes(params, optimizer: str, sizes: dict[str, int], config: ModelConfig) -> int:
+    tx = make_optimizer(OptimConfig(name=optimizer), params, config=config)
     state = jax.eval_shape(tx.init, params)
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        spec = state_leaf_spec(path_names(path), tuple(leaf.shape), sizes)
+        spec = state_leaf_spec(path_names(path), tuple(leaf.shape), sizes, config=config)
         total += _nbytes(leaf) // _shards(spec, sizes)
     return total
 
@@ -247,9 +247,9 @@ def _gather_sizes(names: tuple[str, ...], sizes: dict[str, int]) -> dict[str, in
     return {axis: sizes[axis] for axis in axes}
 
 
-def _fsdp_gather_bytes(params, sizes: dict[str, int]) -> int:
+def _fsdp_gather_bytes(params, sizes: dict[str, int], config: ModelConfig) -> int:
     """One layer's weights gathered over their FSDP axes plus their gradients before the reduce-scatter."""
-    specs = param_specs(params, sizes)
+    specs = param_specs(params, sizes, config=config)
     largest = 0
     for kind in ("dense_layers", "moe_layers"):
         if kind not in params:
@@ -278,7 +278,7 @@ def _planned_transport(config: ModelConfig) -> str:
 def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, sizes: dict[str, int],
                         batch: int, seq: int) -> dict[str, int]:
     """Bytes each device sends per step (one microbatch, forward and backward) by kind of collective."""
-    specs = param_specs(params, sizes)
+    specs = param_specs(params, sizes, config=config)
     fsdp_gather = grad_reduce_scatter = grad_all_reduce = 0
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                   jax.tree.leaves(specs, is_leaf=_is_spec)):
@@ -358,13 +358,13 @@ def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[
     params = abstract_params(config)
     local_batch = batch // (mesh.data * mesh.fsdp * mesh.expert)
     local_config = per_device_config(config, sizes, remat)
-    param_bytes = sharded_param_bytes(params, sizes)
+    param_bytes = sharded_param_bytes(params, sizes, config)
     activations = activation_bytes(local_config, sizes, local_batch, settings.seq)
-    activations["working_set"] += _fsdp_gather_bytes(params, sizes)
+    activations["working_set"] += _fsdp_gather_bytes(params, sizes, config)
     memory = {
         "params": param_bytes,
         "grads": param_bytes,
-        "optimizer_state": optimizer_state_bytes(params, settings.optimizer, sizes),
+        "optimizer_state": optimizer_state_bytes(params, settings.optimizer, sizes, config),
         "activations_saved": activations["saved"],
         "activations_working_set": activations["working_set"],
     }

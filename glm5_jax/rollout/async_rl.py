@@ -29,16 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.config import ConfigError, ModelConfig, TrainConfig
+from glm5_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig
 from glm5_jax.config.async_rl import AsyncRLConfig
+from glm5_jax.config.experiment import ExperimentConfig
 from glm5_jax.config.optim import OptimConfig
-from glm5_jax.config.rl import RLStepConfig, as_rl_step_config
+from glm5_jax.config.rl import RLStepConfig, require_rl_step_config
 from glm5_jax.generation import SamplingParams, generate, to_rollout_records
 from glm5_jax.model.token_logprobs import token_logprobs
 from glm5_jax.model.transformer import forward
-from glm5_jax.train.optim import make_optimizer
-from glm5_jax.train.rl_step import rl_batch, rl_optim_config
-from glm5_jax.train.step import init_train_state, make_train_step
+from glm5_jax.parallel.trainer import build_trainer
+from glm5_jax.train.rl_step import rl_batch
 
 
 def copy_tree(tree):
@@ -99,14 +99,14 @@ def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, o
     """RL from `params` with a lagging worker; returns (and passes to `log`) one metrics row per trainer step."""
     config.validate()
     task.validate(model_config.vocab_size)
-    rl_config = as_rl_step_config(rl_config)
+    rl_config = require_rl_step_config(rl_config)
     if train_config.mode != "rl" or train_config.batch_size != config.batch_size \
             or train_config.seq_len != task.seq_len:
         raise ConfigError(f"train={train_config!r} is invalid here: needs mode 'rl', batch_size = "
                           f"prompts_per_step * group_size = {config.batch_size}, seq_len = {task.seq_len}")
-    optimizer = make_optimizer(rl_optim_config(optim_config, rl_config), params)
-    step = make_train_step(model_config, train_config, optimizer, rl_config=rl_config)
-    state = init_train_state(copy_tree(params), optimizer)
+    trainer = build_trainer(ExperimentConfig(model=model_config, optim=optim_config, train=train_config,
+                                             data=DataConfig(), checkpoint=CheckpointConfig(), rl=rl_config))
+    state = trainer.state_from(params)
     worker = RolloutWorker(params, 0, model_config, task, config)
     eval_prompts = task.prompts(np.random.default_rng(config.seed + 3), config.eval_prompts)
     queue: collections.deque = collections.deque()
@@ -133,7 +133,7 @@ def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, o
         ratio = np.exp(np.clip(current - np.asarray(batch["rollout_logprobs"]), -20, 20))[mask]
         if not config.importance_correction:
             batch["rollout_logprobs"] = jnp.where(batch["loss_mask"] > 0, current, 0.0)
-        state, metrics = step(state, batch)
+        state, metrics = trainer.step(state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
         row = {
             "step": trainer_step + 1,

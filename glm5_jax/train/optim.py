@@ -1,7 +1,8 @@
 """Optimizers for GLM-5: AdamW, and Muon (+ Muon Split) for matrices with AdamW for the rest.
 
-Parameter groups come from what the model's modules say about each weight (`glm5_jax.model.metadata`:
-its logical dim names, its variable type, whether an indexer owns it; see `param_path_labels`):
+Parameter groups come from what the model's modules say about each weight of `GLM5(config)`
+(`glm5_jax.model.metadata`: its logical dim names, its variable type, whether an indexer owns it; see
+`param_path_labels`):
   "muon"            every matrix, when `name == "muon"`;
   "adamw"           the embedding and LM head (a "vocab" dim) and the MoE router (and every matrix when
                     `name == "adamw"`);
@@ -19,7 +20,8 @@ learning rate for both groups. Leading stacked axes (layers L / Lf, experts E) a
 per slice; the layer axis is walked one layer at a time (`muon_layerwise`) so a pod never holds every
 layer's Newton-Schulz intermediates at once. Matrix layouts per leaf:
   q_b_proj  [L, Q, H, K]       split: one [Q, K] per (layer, head);   else one [Q, (H K)] per layer
-  kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head); else [C, (H (nope+P))]
+  kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head), cut at the config's
+                               qk_nope_head_dim; else [C, (H (nope+P))]
   o_proj    [L, H, P, D]       one [(H P), D] per layer
   other     [.., in, out...]   the first non-batch axis is the input, the rest the output
 """
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from glm5_jax.config import ModelConfig
 from glm5_jax.config.core import _fail
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.model.metadata import ParamInfo, param_info
@@ -42,11 +45,11 @@ from glm5_jax.tree_paths import path_names, path_string
 from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
 from glm5_jax.train.schedules import warmup_then_decay
 
-GROUPS = ("muon", "adamw", "adamw_no_decay", "frozen")
-
 # Matrices AdamW keeps whatever the optimizer: the embedding and LM head (a "vocab" dim) and the router.
 _ADAMW_AXES = ("vocab", "router_experts")
 _KV_PARTS = ("uk", "uv")
+# The kv up-projection's matrix axes: per head, its head_dim holds the keys' nope dims (W_UK), then the values'.
+_KV_UP_AXES = ("kv_lora", "heads", "head_dim")
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
@@ -69,44 +72,40 @@ def _is_trainable(path: str, info: ParamInfo, trainable) -> bool:
     return any(re.search(pattern, path) for pattern in trainable)
 
 
-def _leaf_label(names: tuple[str, ...], ndim: int, cfg: OptimConfig) -> str:
-    info = param_info(names, ndim)
+def _leaf_label(names: tuple[str, ...], shape: tuple[int, ...], cfg: OptimConfig, config: ModelConfig) -> str:
+    info = param_info(names, config, shape)
     if info.router_bias or not _is_trainable("/".join(names), info, cfg.trainable):
         return "frozen"
-    if ndim - info.stacked_axes < 2:  # norm scales and biases
+    if len(info.axes) - info.stacked_axes < 2:  # norm scales and biases
         return "adamw_no_decay"
     if cfg.name == "adamw" or any(name in _ADAMW_AXES for name in info.axes):
         return "adamw"
     return "muon"
 
 
-def param_path_labels(params, cfg: OptimConfig | None = None):
-    """The optimizer group ("muon" | "adamw" | "adamw_no_decay" | "frozen") of every leaf, as a pytree.
+def param_path_labels(params, cfg: OptimConfig | None = None, *, config: ModelConfig):
+    """The optimizer group ("muon" | "adamw" | "adamw_no_decay" | "frozen") of every leaf of `params` (the
+    weights of `GLM5(config)` or part of them), as a pytree.
 
     Only shapes are read, so `params` may be abstract (`jax.eval_shape` output).
     """
     cfg = cfg or OptimConfig()
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _leaf_label(path_names(path), len(leaf.shape), cfg), params)
+        lambda path, leaf: _leaf_label(path_names(path), tuple(leaf.shape), cfg, config), params)
 
 
-def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool) -> MuonDimensionNumbers:
+def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool,
+                            config: ModelConfig) -> MuonDimensionNumbers:
     """Which axes of a Muon leaf form each matrix's input and output; all other axes are batch axes."""
     if names[-1] in _KV_PARTS:  # one half of a split kv_b_proj: [.., C, H, nope or P] per head
         return MuonDimensionNumbers(reduction_axis=ndim - 3, output_axis=ndim - 1)
-    info = param_info(names, ndim)
+    info = param_info(names, config)
     core = tuple(range(info.stacked_axes, ndim))
     if info.axes[core[0]] == "heads":  # o_proj [.., H, P, D]: the heads' outputs are one input
         return MuonDimensionNumbers(reduction_axis=core[:-1], output_axis=core[-1:])
     if split and "heads" in info.axes:  # q_b_proj / kv_b_proj [.., in, H, out]: one matrix per head
         return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])
-
-
-def _leaf_by_path(tree, names):
-    for name in names:
-        tree = tree[name]
-    return tree
 
 
 def _fans(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
@@ -116,24 +115,11 @@ def _fans(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
     return fan_in, fan_out
 
 
-def _kv_nope_sizes(params, labels) -> dict[str, int]:
-    """Width of W_UK (qk_nope_head_dim) for every Muon kv_b_proj leaf, read off its sibling o_proj [.., P, D]."""
-    sizes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = path_names(path)
-        if names[-2:] != ("kv_b_proj", "kernel") or _leaf_by_path(labels, names) != "muon":
-            continue
-        attn = _leaf_by_path(params, names[:-2])
-        if "o_proj" not in attn:
-            raise ValueError(f"params['{'/'.join(names[:-2])}'] has kv_b_proj but no o_proj: Muon Split reads "
-                             "v_head_dim from o_proj [.., H, P, D] to split kv_b_proj into W_UK and W_UV")
-        v_head_dim = attn["o_proj"]["kernel"].shape[-2]
-        nope = leaf.shape[-1] - v_head_dim
-        if nope <= 0:
-            raise ValueError(f"params['{'/'.join(names)}'] has last axis {leaf.shape[-1]}, which must exceed "
-                             f"v_head_dim={v_head_dim} (from o_proj) to hold qk_nope_head_dim + v_head_dim")
-        sizes["/".join(names)] = nope
-    return sizes
+def _kv_up_projections(params, labels, config: ModelConfig) -> frozenset[str]:
+    """The paths of the Muon leaves that are kv up-projections (logical axes [.., kv_lora, heads, head_dim])."""
+    return frozenset(path_string(path) for (path, _), label in
+                     zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels))
+                     if label == "muon" and param_info(path_names(path), config).axes[-3:] == _KV_UP_AXES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,14 +133,14 @@ class _KVParts(NamedTuple):
     uv: jax.Array
 
 
-def _split_kv_heads(inner: optax.GradientTransformation, nope_sizes: dict[str, int]):
-    """Run `inner` on trees whose kv_b_proj leaves are split into W_UK / W_UV, then rejoin the updates."""
+def _split_kv_heads(inner: optax.GradientTransformation, kv_paths: frozenset[str], nope: int):
+    """Run `inner` on trees whose kv up-projections (at `kv_paths`) are split after each head's `nope` key
+    dims into W_UK / W_UV, then rejoin the updates."""
     is_parts = lambda x: isinstance(x, _KVParts)
 
     def split(tree):
         def split_leaf(path, x):
-            nope = nope_sizes.get(path_string(path))
-            return x if nope is None else _KVParts(x[..., :nope], x[..., nope:])
+            return _KVParts(x[..., :nope], x[..., nope:]) if path_string(path) in kv_paths else x
         return jax.tree_util.tree_map_with_path(split_leaf, tree)
 
     def join(tree):
@@ -170,20 +156,20 @@ def _split_kv_heads(inner: optax.GradientTransformation, nope_sizes: dict[str, i
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _dimension_numbers_fn(split: bool) -> Callable:
+def _dimension_numbers_fn(split: bool, config: ModelConfig) -> Callable:
     def dims(tree):
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: _muon_dimension_numbers(path_names(path), x.ndim, split), tree)
+            lambda path, x: _muon_dimension_numbers(path_names(path), x.ndim, split, config), tree)
     return dims
 
 
-def _layer_stacked(tree):
+def _layer_stacked_fn(config: ModelConfig) -> Callable:
     """True for every leaf whose axis 0 is a stacked layer axis (the scanned stacks), which Muon maps over."""
     def stacked(path, x):
         names = path_names(path)
         names = names[:-1] if names[-1] in _KV_PARTS else names  # a half of a split kv_b_proj kernel
-        return param_info(names, x.ndim).axes[0] == "layers"
-    return jax.tree_util.tree_map_with_path(stacked, tree)
+        return param_info(names, config).axes[0] == "layers"
+    return lambda tree: jax.tree_util.tree_map_with_path(stacked, tree)
 
 
 def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation:
@@ -205,22 +191,23 @@ def _zero_where_frozen(labels) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _muon(cfg: OptimConfig, schedule, nope_sizes: dict[str, int]) -> optax.GradientTransformation:
-    dims_fn = _dimension_numbers_fn(cfg.muon_split)
+def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelConfig) -> optax.GradientTransformation:
+    dims_fn = _dimension_numbers_fn(cfg.muon_split, config)
     orthogonalise = optax.chain(
-        scale_by_muon_layerwise(dims_fn, _layer_stacked, ns_steps=cfg.ns_steps, beta=cfg.muon_momentum,
-                                eps=cfg.eps),
+        scale_by_muon_layerwise(dims_fn, _layer_stacked_fn(config), ns_steps=cfg.ns_steps,
+                                beta=cfg.muon_momentum, eps=cfg.eps),
         _scale_to_rms(dims_fn, cfg.muon_rms),
     )
     return optax.chain(
-        _split_kv_heads(orthogonalise, nope_sizes),
+        _split_kv_heads(orthogonalise, kv_paths, config.qk_nope_head_dim),
         optax.add_decayed_weights(cfg.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
 
 
-def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
-    """The optax transformation for `cfg` over a parameter tree shaped like `params` (arrays or abstract)."""
+def make_optimizer(cfg: OptimConfig, params, *, config: ModelConfig) -> optax.GradientTransformation:
+    """The optax transformation for `cfg` over a parameter tree shaped like `params` (arrays or abstract): the
+    weights of `GLM5(config)`, or part of them."""
     if not isinstance(cfg, OptimConfig):
         raise TypeError(f"cfg must be an OptimConfig, got {type(cfg).__name__}")
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -231,7 +218,7 @@ def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
         for pattern in cfg.trainable:
             if not any(re.search(pattern, path) for path in paths):
                 _fail("optim.trainable", pattern, f"matches no parameter path; paths look like {paths[:4]}")
-    labels = param_path_labels(params, cfg)
+    labels = param_path_labels(params, cfg, config=config)
     present = set(jax.tree.leaves(labels))
     if present == {"frozen"}:
         _fail("optim.trainable", cfg.trainable, "leaves no trainable parameter")
@@ -243,8 +230,8 @@ def make_optimizer(cfg: OptimConfig, params) -> optax.GradientTransformation:
         "frozen": optax.set_to_zero(),
     }
     if "muon" in present:
-        nope_sizes = _kv_nope_sizes(params, labels) if cfg.muon_split else {}
-        groups["muon"] = _muon(cfg, schedule, nope_sizes)
+        kv_paths = _kv_up_projections(params, labels, config) if cfg.muon_split else frozenset()
+        groups["muon"] = _muon(cfg, schedule, kv_paths, config)
     clip = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm > 0 else []
     return optax.chain(
         _zero_where_frozen(labels),

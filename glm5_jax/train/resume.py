@@ -15,6 +15,7 @@ from pathlib import Path
 
 from glm5_jax.config import ConfigError
 from glm5_jax.config.experiment import SECTIONS
+from glm5_jax.config.rl import RLConfig, RLStepConfig, rl_step_config_as_dict
 
 # How long to train, how often to log / evaluate / save, and where: changing these continues the same run.
 RESUME_MAY_CHANGE = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.run_dir",
@@ -51,8 +52,10 @@ def config_changes(saved: dict, current: dict, defaults: dict | None = None) -> 
 
 
 def default_experiment_dict() -> dict:
-    """Every section's default values (to compare checkpoints saved before a field existed)."""
-    return {name: dataclasses.asdict(cls()) for name, cls in SECTIONS.items()}
+    """Every section's default values (to compare checkpoints saved before a field existed, or whose rl:
+    section held only the fields the file gave)."""
+    return {**{name: dataclasses.asdict(cls()) for name, cls in SECTIONS.items()},
+            "rl": rl_step_config_as_dict(RLStepConfig(objective=RLConfig()))}
 
 
 def _may_change(field: str) -> bool:

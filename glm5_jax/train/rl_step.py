@@ -1,5 +1,5 @@
-"""Mode `rl` of the training step: the objective `make_train_step` accumulates, and the host-side pieces a
-run needs around it (the `rl:` config section, records -> validated, filtered batch, the frozen indexer).
+"""Mode `rl` of the training step: its objective (`RLObjective`) and the host-side pieces a run needs around it
+(the optimizer with the frozen indexer, records -> validated, filtered batch).
 
 The objective runs the model without logits or MTP, replays the rollout engine's routing when the batch
 carries it and the run enables replay, computes fp32 logprobs of the targets at each sample's rollout
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.config.optim import OptimConfig
-from glm5_jax.config.rl import RLConfig, as_rl_step_config
+from glm5_jax.config.rl import RLConfig, require_rl_step_config
 from glm5_jax.data.rollouts import RolloutRecord, filter_and_pad, make_batch, validate_records
 from glm5_jax.model.token_logprobs import token_logprobs
 from glm5_jax.model.transformer import forward
@@ -44,7 +44,7 @@ _PER_MICROBATCH_METRICS = ("ratio_min", "ratio_max", "advantage_std")
 def rl_optim_config(optim_config: OptimConfig, rl_config) -> OptimConfig:
     """The optimizer settings for RL: `trainable: all` becomes `non_indexer` unless rl.train_indexer is set,
     so the DSA indexer is frozen by default (no update, no weight decay, no optimizer state)."""
-    step_config = as_rl_step_config(rl_config)
+    step_config = require_rl_step_config(rl_config)
     if step_config.train_indexer or optim_config.trainable != "all":
         return optim_config
     return dataclasses.replace(optim_config, trainable="non_indexer")
@@ -67,32 +67,34 @@ def _routing_inputs(mb: dict, replay: bool) -> dict:
     return inputs
 
 
-def rl_objective(model_config: ModelConfig, train_config: TrainConfig, rl_config, mesh=None):
-    """`objective(params, microbatch, dens) -> (objective, (sums, counts))` for `make_train_step`'s mode "rl".
+class RLObjective:
+    """The objective of mode "rl" (interface in glm5_jax.train.objective); `.config` is the resolved
+    RLStepConfig."""
 
-    Attributes: `.required_keys` (the [B, S] batch fields), `.denominators(batch)` (from the whole step's
-    masks, before any gradient), `.config` (the resolved RLStepConfig)."""
-    step_config = as_rl_step_config(rl_config)
-    loss_config = step_config.objective
-    loss_fn = get_rl_loss(loss_config.loss)
-    microbatches = train_config.microbatches
+    updates_router_bias = True  # from the replayed expert counts, when train.bias_update_rate > 0
 
-    def denominators(batch: dict) -> dict:
+    def __init__(self, model_config: ModelConfig, train_config: TrainConfig, rl_config, mesh=None):
+        self.model_config, self.train_config, self.mesh = model_config, train_config, mesh
+        self.config = require_rl_step_config(rl_config)
+        self.loss_fn = get_rl_loss(self.config.objective.loss)
+        self.required_keys = required_batch_keys(self.config.objective)
+
+    def denominators(self, batch: dict) -> dict:
         loss_tokens = jnp.sum(jnp.asarray(batch[LOSS_MASK], jnp.float32))
         rows = jnp.sum(jnp.any(batch["segment_ids"] > 0, axis=-1))
         return {"loss_tokens": jnp.maximum(loss_tokens, 1.0), "rows": jnp.maximum(rows, 1).astype(jnp.float32)}
 
-    def objective(params, mb: dict, dens: dict):
+    def __call__(self, params, mb: dict, dens: dict):
         if "temperature" not in mb:
             raise ValueError("batch has no 'temperature' field: the RL step needs each sample's rollout "
                              "temperature [B] (make_batch writes it)")
-        out = forward(params, mb["tokens"], config=model_config, positions=mb["positions"],
-                      segment_ids=mb["segment_ids"], return_logits=False, mtp_steps=0, mesh=mesh,
-                      **_routing_inputs(mb, step_config.replay_routing))
+        out = forward(params, mb["tokens"], config=self.model_config, positions=mb["positions"],
+                      segment_ids=mb["segment_ids"], return_logits=False, mtp_steps=0, mesh=self.mesh,
+                      **_routing_inputs(mb, self.config.replay_routing))
         logp, entropy = token_logprobs(out.hidden, params["lm_head"]["kernel"], mb["targets"],
-                                       temperature=mb["temperature"], vocab_chunk=train_config.vocab_chunk,
+                                       temperature=mb["temperature"], vocab_chunk=self.train_config.vocab_chunk,
                                        compute_entropy=True)
-        weighted_sum, _, metrics = loss_fn(logp, mb, loss_config, entropy)
+        weighted_sum, _, metrics = self.loss_fn(logp, mb, self.config.objective, entropy)
         value = weighted_sum / dens["loss_tokens"]
         share = metrics["loss_tokens"] / dens["loss_tokens"]
         sums = {"loss": value}
@@ -100,7 +102,7 @@ def rl_objective(model_config: ModelConfig, train_config: TrainConfig, rl_config
             if name in _COUNT_METRICS:
                 sums[name] = metric
             elif name in _PER_MICROBATCH_METRICS:
-                sums[name] = metric / microbatches
+                sums[name] = metric / self.train_config.microbatches
             else:
                 sums[name] = metric * share
         if "rewards" in mb:
@@ -108,10 +110,9 @@ def rl_objective(model_config: ModelConfig, train_config: TrainConfig, rl_config
             sums["reward_mean"] = jnp.sum(jnp.where(real_rows, mb["rewards"], 0.0)) / dens["rows"]
         return value, (sums, {"main": out.aux.get("expert_counts")})
 
-    objective.required_keys = required_batch_keys(loss_config)
-    objective.denominators = denominators
-    objective.config = step_config
-    return objective
+    def metrics(self, sums: dict, dens: dict, counts: dict) -> dict:
+        """The sums are the metrics already (each microbatch's share of the step was taken in `__call__`)."""
+        return dict(sums)
 
 
 def rl_batch(records: Sequence[RolloutRecord], *, model_config: ModelConfig, seq_len: int, rl_config,
@@ -120,7 +121,7 @@ def rl_batch(records: Sequence[RolloutRecord], *, model_config: ModelConfig, seq
     """Records -> (batch for the RL step, filter counts): validate every record (errors name the rollout),
     drop environment failures and samples staler than rl.max_staleness versions, repair or drop groups,
     then build the fixed-shape batch with advantages over the kept groups (None when nothing is left)."""
-    loss_config = as_rl_step_config(rl_config).objective
+    loss_config = require_rl_step_config(rl_config).objective
     validate_records(records, vocab_size=model_config.vocab_size)
     kept, counts = filter_and_pad(records, current_version=current_version,
                                   max_staleness=loss_config.max_staleness, group_size=group_size)

@@ -33,7 +33,7 @@ def main(hf_dir: str, expected: str, out_dir: str) -> None:
     mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
     imported = import_hf(hf_dir, mesh=mesh, compute_dtype="float32")
     shardings = param_shardings(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), imported.params),
-                                mesh)
+                                mesh, config=imported.config)
     split = 0
     for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(imported.params)[0],
                                       jax.tree.leaves(shardings)):

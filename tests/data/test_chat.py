@@ -6,13 +6,13 @@ import re
 import numpy as np
 import pytest
 
+from chat_stream import split_by_role
 from glm5_jax.data.chat import (
     SEGMENT_NAMES,
     ChatError,
     read_chat_jsonl,
     render_chat,
     render_dataset,
-    split_by_role,
 )
 from glm5_jax.data.tokenizer import ByteTokenizer, HFTokenizer
 

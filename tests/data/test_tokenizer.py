@@ -2,7 +2,7 @@
 
 import pytest
 
-from glm5_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, pad_vocab_to
+from glm5_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # Written out by hand: GLM's special tokens take ids 256.. in this fixed order.
 EXPECTED_SPECIAL_IDS = {
@@ -66,16 +66,6 @@ def test_decode_rejects_ids_outside_the_vocabulary():
         ByteTokenizer().decode([65, 276])
     with pytest.raises(ValueError, match="text must be a str"):
         ByteTokenizer().encode(b"bytes")
-
-
-def test_pad_vocab_to():
-    assert pad_vocab_to(276, 128) == 384
-    assert pad_vocab_to(256, 128) == 256
-    assert pad_vocab_to(1, 1) == 1
-    with pytest.raises(ValueError, match="multiple must be a positive int, got 0"):
-        pad_vocab_to(276, 0)
-    with pytest.raises(ValueError, match="vocab_size"):
-        pad_vocab_to(-3, 8)
 
 
 def test_load_tokenizer_byte_and_missing_path(tmp_path):

@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from glm5_jax.data.chat import read_chat_jsonl, render_chat, render_dataset, split_by_role
+from chat_stream import split_by_role
+from glm5_jax.data.chat import read_chat_jsonl, render_chat, render_dataset
 from experiments.chat_sft.synthetic_chat import CAPITALS, generate_records, main, write_jsonl
 from glm5_jax.data.tokenizer import ByteTokenizer
 

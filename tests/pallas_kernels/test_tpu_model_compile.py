@@ -27,7 +27,7 @@ def _compiled_step(mode: str):
     optim = OptimConfig(name="adamw", lr=1e-3, min_lr=0.0, warmup_steps=1, total_steps=10, schedule="constant",
                         weight_decay=0.0, trainable="indexer" if mode == "dsa_warmup" else "all")
     params = jax.eval_shape(lambda: init(MODEL, jax.random.key(0)))
-    tx = make_optimizer(optim, params)
+    tx = make_optimizer(optim, params, config=MODEL)
     state = jax.eval_shape(lambda p: init_train_state(p, tx), params)
     train = TrainConfig(mode=mode, batch_size=BATCH, seq_len=SEQ, vocab_chunk=32)
     step = make_train_step(MODEL, train, tx)

@@ -250,15 +250,14 @@ def group_ep():
 
 def group_checkpoint():
     from glm5_jax.checkpoint import Checkpointer
-    from glm5_jax.parallel.sharding import param_specs
-    from glm5_jax.parallel.sharding import (abstract_with_shardings, init_opt_state_sharded, init_sharded,
-                                            opt_state_shardings, param_shardings)
+    from glm5_jax.parallel.sharding import (init_opt_state_sharded, init_sharded, opt_state_shardings,
+                                            param_shardings, param_specs)
     from glm5_jax.train.optim import OptimConfig, make_optimizer
 
     config = tiny(moe_backend="ep")
     mesh_2x4 = mesh_of(fsdp=2, expert=4)
     params = init_sharded(config, jax.random.key(0), mesh_2x4)
-    specs = param_specs(params, mesh_2x4)
+    specs = param_specs(params, mesh_2x4, config=config)
     sharded_on = set()
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))):
@@ -273,8 +272,8 @@ def group_checkpoint():
     trees_close(params, initial_params(), "init_sharded vs init", rtol=1e-6, scaled_atol=1e-6)
     print("PASS params are created sharded by the rule table, with the values of init")
 
-    tx = make_optimizer(OptimConfig(name="muon"), params)
-    opt_state = init_opt_state_sharded(tx, params, mesh_2x4)
+    tx = make_optimizer(OptimConfig(name="muon"), params, config=config)
+    opt_state = init_opt_state_sharded(tx, params, mesh_2x4, config=config)
     muon_state = lambda state: state[2].inner_states["muon"].inner_state[0][0].mu  # noqa: E731
     assert muon_state(opt_state)["moe_layers"]["moe"]["experts"]["gate_proj"].sharding == experts.sharding
     kv_b = params["moe_layers"]["attn"]["kv_b_proj"]["kernel"]
@@ -295,8 +294,10 @@ def group_checkpoint():
                     lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), tree)
                 param_target, opt_target = target(params), target(opt_state)
             else:
-                param_target = abstract_with_shardings(params, param_shardings, mesh)
-                opt_target = abstract_with_shardings(opt_state, opt_state_shardings, mesh)
+                target = lambda tree, shardings: jax.tree.map(  # noqa: E731
+                    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+                param_target = target(params, param_shardings(params, mesh, config=config))
+                opt_target = target(opt_state, opt_state_shardings(opt_state, mesh, config=config))
             with Checkpointer(directory) as ckpt:
                 restored = ckpt.restore(param_target, opt_target)
             for got, want, target_leaf in zip(jax.tree.leaves((restored.params, restored.opt_state)),
@@ -335,7 +336,7 @@ def xla_train_memory(config, mesh_cfg: MeshConfig, batch: int, seq: int) -> int:
     if mesh is None:
         compiled = jax.jit(step).lower(params, tokens).compile()
     else:
-        shardings = param_shardings(params, mesh)
+        shardings = param_shardings(params, mesh, config=config)
         tokens_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
         step = jax.jit(step, in_shardings=(shardings, tokens_sharding),
                        out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings))
@@ -391,9 +392,9 @@ def group_train_step():
                                                                               batch)
 
     mesh = mesh_of(data=2, fsdp=2, expert=2)
-    sharded = shard_params(params, mesh)
+    sharded = shard_params(params, mesh, config=mesh_config)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
-                       opt_state=init_opt_state_sharded(tx, sharded, mesh))
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh, config=mesh_config))
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
     mesh_state, mesh_metrics = make_train_step(mesh_config, train, tx, mesh=mesh)(state, mesh_batch)
@@ -412,12 +413,14 @@ def group_train_step():
     from glm5_jax.parallel.sharding import opt_state_shardings, param_shardings
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(step=replicated, params=param_shardings(sharded, mesh),
-                           opt_state=opt_state_shardings(state.opt_state, mesh))
+    shardings = TrainState(step=replicated, params=param_shardings(sharded, mesh, config=mesh_config),
+                           opt_state=opt_state_shardings(state.opt_state, mesh, config=mesh_config))
     pinned = make_train_step(mesh_config, train, tx, mesh=mesh, state_shardings=shardings,
                              batch_sharding=batch_sharding)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=shard_params(params, mesh),
-                       opt_state=init_opt_state_sharded(tx, shard_params(params, mesh), mesh))
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                       params=shard_params(params, mesh, config=mesh_config),
+                       opt_state=init_opt_state_sharded(tx, shard_params(params, mesh, config=mesh_config), mesh,
+                                                        config=mesh_config))
     for _ in range(3):
         state, _ = pinned(state, mesh_batch)
     assert pinned.jitted._cache_size() == 1, pinned.jitted._cache_size()
@@ -446,11 +449,11 @@ def check_wide_expert_parallel_step(train, tokens, batch):
         init_train_state(jax.tree.map(jnp.asarray, params), tx), batch)
 
     mesh = mesh_of(expert=8)
-    experts_spec = param_specs(params, mesh)["moe_layers"]["moe"]["experts"]
+    experts_spec = param_specs(params, mesh, config=wide_config)["moe_layers"]["moe"]["experts"]
     assert experts_spec["gate_proj"] == PartitionSpec(None, "expert", None, None), experts_spec
-    sharded = shard_params(params, mesh)
+    sharded = shard_params(params, mesh, config=wide_config)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
-                       opt_state=init_opt_state_sharded(tx, sharded, mesh))
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh, config=wide_config))
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
     step = make_train_step(wide_config, train, tx, mesh=mesh)

@@ -151,6 +151,6 @@ def test_unknown_topology_is_refused_by_name(capsys):
 
 
 def test_rl_mode_is_refused_before_compiling():
-    cfg = load_experiment(str(REPO / "configs" / "tiny.yaml"), ["train.mode=rl", "rl.loss=grpo"])
+    cfg = load_experiment(str(REPO / "configs" / "tiny.yaml"), ["train.mode=rl", "rl.loss=tis"])
     with pytest.raises(ValueError, match="train.mode='rl'"):
         abstract_train_step(cfg, jax.devices())

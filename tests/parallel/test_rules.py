@@ -1,6 +1,7 @@
 """Mesh configuration, the logical-axis rule table and optimizer-state shardings, on one device (shapes and mesh
 sizes only; the multi-device behaviour is in test_multidevice.py)."""
 
+import dataclasses
 import math
 
 import jax
@@ -18,9 +19,12 @@ from glm5_jax.tree_paths import path_names
 SIZES = {"data": 2, "fsdp": 16, "expert": 8, "tensor": 4}
 
 
+GLM5_744B = load_model_config("configs/glm5_744b.yaml")
+
+
 @pytest.fixture(scope="module")
 def glm5_params():
-    return abstract_params(load_model_config("configs/glm5_744b.yaml"))
+    return abstract_params(GLM5_744B)
 
 
 def test_mesh_config_validates_fields_and_device_count():
@@ -50,7 +54,7 @@ def test_activation_rules_give_batch_every_batch_axis_and_leave_embed_whole():
 
 
 def test_glm5_parameter_specs(glm5_params):
-    specs = param_specs(glm5_params, SIZES)
+    specs = param_specs(glm5_params, SIZES, config=GLM5_744B)
     moe, attn = specs["moe_layers"], specs["moe_layers"]["attn"]
     assert moe["moe"]["experts"]["gate_proj"] == P(None, "expert", "fsdp", "tensor")
     assert moe["moe"]["experts"]["down_proj"] == P(None, "expert", "tensor", "fsdp")
@@ -77,7 +81,7 @@ def test_glm5_parameter_specs(glm5_params):
 
 def test_every_large_glm5_weight_is_fsdp_sharded(glm5_params):
     """No host holds a whole matrix: every leaf above 1M values is split over `fsdp`."""
-    specs = param_specs(glm5_params, SIZES)
+    specs = param_specs(glm5_params, SIZES, config=GLM5_744B)
     for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
         if math.prod(leaf.shape) > 2**20:
@@ -88,7 +92,7 @@ def test_wide_expert_parallelism_keeps_experts_whole_and_shards_the_rest_over_ev
     """With `fsdp` 1 and a wide `expert` axis, each chip holds whole experts (nothing to gather per layer) while
     every other large weight is still split over all the chips."""
     wide = {"data": 1, "fsdp": 1, "expert": 256, "tensor": 1}
-    specs = param_specs(glm5_params, wide)
+    specs = param_specs(glm5_params, wide, config=GLM5_744B)
     experts = specs["moe_layers"]["moe"]["experts"]
     assert experts["gate_proj"] == P(None, "expert", None, None)
     assert experts["down_proj"] == P(None, "expert", None, None)
@@ -99,32 +103,47 @@ def test_wide_expert_parallelism_keeps_experts_whole_and_shards_the_rest_over_ev
             assert "expert" in jax.tree.leaves(tuple(spec)), (path_names(path), spec)
 
 
-def test_unknown_parameter_path_and_rank_mismatch_are_errors():
+def test_unknown_parameter_path_shape_mismatch_and_a_config_of_another_type_are_errors():
     with pytest.raises(ParamMetadataError, match="parameter 'moe_layers/attn/new_proj/kernel' is not a weight"):
-        param_info(("moe_layers", "attn", "new_proj", "kernel"), 3)
-    with pytest.raises(ParamMetadataError, match="has rank 2 but the model creates it with 4 dims"):
-        param_info(("moe_layers", "attn", "q_b_proj", "kernel"), 2)
+        param_info(("moe_layers", "attn", "new_proj", "kernel"), GLM5_744B)
+    with pytest.raises(ParamMetadataError, match=r"q_b_proj/kernel' has shape \(2048, 64\) but the model of this "
+                                                 r"config creates it with shape \(75, 2048, 64, 256\)"):
+        param_info(("moe_layers", "attn", "q_b_proj", "kernel"), GLM5_744B, (2048, 64))
+    with pytest.raises(TypeError, match="config must be the ModelConfig the parameters were built from, got dict"):
+        param_specs({"final_norm": {"scale": jnp.ones(8)}}, SIZES, config={"hidden_size": 8})
 
 
 def test_logical_axes_come_from_the_modules():
     """The stacked layer axis is the one `nnx.vmap` adds; the router bias is the one non-Param weight."""
-    assert param_info(("moe_layers", "attn", "o_proj", "kernel"), 4).axes == ("layers", "heads", "head_dim", "embed")
-    assert param_info(("mtp", "layer", "attn", "o_proj", "kernel"), 3).axes == ("heads", "head_dim", "embed")
-    bias = param_info(("moe_layers", "moe", "e_score_correction_bias"), 2)
+    info = lambda *names: param_info(names, GLM5_744B)  # noqa: E731
+    assert info("moe_layers", "attn", "o_proj", "kernel").axes == ("layers", "heads", "head_dim", "embed")
+    assert info("moe_layers", "attn", "o_proj", "kernel").shape == (75, 64, 256, 6144)
+    assert info("mtp", "layer", "attn", "o_proj", "kernel").axes == ("heads", "head_dim", "embed")
+    bias = info("moe_layers", "moe", "e_score_correction_bias")
     assert bias.router_bias and bias.axes == ("layers", "router_experts")
-    assert param_info(("indexers", "wk", "kernel"), 3).in_indexer
-    assert param_info(("mtp", "layer", "indexer", "wk", "kernel"), 2).in_indexer
-    assert not param_info(("mtp", "layer", "attn", "q_a_proj", "kernel"), 2).in_indexer
+    assert info("indexers", "wk", "kernel").in_indexer
+    assert info("mtp", "layer", "indexer", "wk", "kernel").in_indexer
+    assert not info("mtp", "layer", "attn", "q_a_proj", "kernel").in_indexer
+
+
+def test_the_metadata_is_that_of_the_config_given():
+    """A model without dense layers or MTP has no such weights, and each weight has that model's shape."""
+    moe_only = dataclasses.replace(GLM5_744B, num_hidden_layers=4, first_k_dense_replace=0,
+                                   num_nextn_predict_layers=0, mtp_num_steps=0)
+    assert param_info(("moe_layers", "attn", "o_proj", "kernel"), moe_only).shape == (4, 64, 256, 6144)
+    for names in (("dense_layers", "input_norm", "scale"), ("mtp", "enorm", "scale")):
+        with pytest.raises(ParamMetadataError, match="is not a weight of the GLM5 model of this config"):
+            param_info(names, moe_only)
 
 
 def test_optimizer_state_leaves_follow_their_parameter():
     kv_b = state_leaf_spec(("2", "inner_states", "muon", "mu", "moe_layers", "attn", "kv_b_proj", "kernel", "uk"),
-                           (75, 512, 64, 192), SIZES)
+                           (75, 512, 64, 192), SIZES, config=GLM5_744B)
     assert kv_b == P(None, ("fsdp", "expert"), "tensor", None)
-    nu = state_leaf_spec(("0", "nu", "embed", "embedding"), (154880, 6144), SIZES)
+    nu = state_leaf_spec(("0", "nu", "embed", "embedding"), (154880, 6144), SIZES, config=GLM5_744B)
     assert nu == P("tensor", ("fsdp", "expert"))
-    assert state_leaf_spec(("0", "count"), (), SIZES) == P()
-    assert state_leaf_spec(("ns_coeffs",), (3,), SIZES) == P()
+    assert state_leaf_spec(("0", "count"), (), SIZES, config=GLM5_744B) == P()
+    assert state_leaf_spec(("ns_coeffs",), (3,), SIZES, config=GLM5_744B) == P()
 
 
 def test_constrain_without_a_mesh_is_the_identity():

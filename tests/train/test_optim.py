@@ -6,64 +6,28 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from glm5_jax.config import ConfigError, from_dict
+from glm5_jax.config import ConfigError, ModelConfig, from_dict
+from glm5_jax.parallel.sharding import abstract_params
 from glm5_jax.train.optim import OptimConfig, learning_rate_schedule, make_optimizer, param_path_labels
 
-# Tiny shapes following the parameter tree; Q > K and C > nope, P so per-head blocks are tall matrices.
+# A tiny model; Q > K and C > nope, P so per-head blocks are tall matrices; LF of its L + L layers index in full.
 L, V, D, Q, C, R, H, NOPE, P, F, E, I, J, LF = 2, 16, 8, 12, 10, 2, 2, 3, 4, 6, 3, 2, 4, 2
 K = NOPE + R
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
-
-
-def _attn(lead):
-    return {
-        "q_a_proj": {"kernel": lead + (D, Q)}, "q_a_norm": {"scale": lead + (Q,)},
-        "q_b_proj": {"kernel": lead + (Q, H, K)},
-        "kv_a_proj": {"kernel": lead + (D, C + R)}, "kv_a_norm": {"scale": lead + (C,)},
-        "kv_b_proj": {"kernel": lead + (C, H, NOPE + P)},
-        "o_proj": {"kernel": lead + (H, P, D)},
-    }
-
-
-def _moe_layer(lead):
-    return {
-        "input_norm": {"scale": lead + (D,)}, "post_attn_norm": {"scale": lead + (D,)}, "attn": _attn(lead),
-        "moe": {
-            "router": {"kernel": lead + (D, E)}, "e_score_correction_bias": lead + (E,),
-            "experts": {"gate_proj": lead + (E, D, F), "up_proj": lead + (E, D, F), "down_proj": lead + (E, F, D)},
-            "shared_experts": {"gate_proj": {"kernel": lead + (D, F)}, "up_proj": {"kernel": lead + (D, F)},
-                               "down_proj": {"kernel": lead + (F, D)}},
-        },
-    }
-
-
-def _indexer(lead):
-    return {"wq_b": {"kernel": lead + (Q, I, J)}, "wk": {"kernel": lead + (D, J)},
-            "k_norm": {"scale": lead + (J,), "bias": lead + (J,)}, "weights_proj": {"kernel": lead + (D, I)}}
-
-
-SHAPES = {
-    "embed": {"embedding": (V, D)},
-    "dense_layers": {
-        "input_norm": {"scale": (L, D)}, "post_attn_norm": {"scale": (L, D)}, "attn": _attn((L,)),
-        "mlp": {"gate_proj": {"kernel": (L, D, F)}, "up_proj": {"kernel": (L, D, F)},
-                "down_proj": {"kernel": (L, F, D)}},
-    },
-    "moe_layers": _moe_layer((L,)),
-    "indexers": _indexer((LF,)),
-    "final_norm": {"scale": (D,)},
-    "lm_head": {"kernel": (D, V)},
-    "mtp": {"enorm": {"scale": (D,)}, "hnorm": {"scale": (D,)}, "eh_proj": {"kernel": (2 * D, D)},
-            "layer": {**_moe_layer(()), "indexer": _indexer(())}, "shared_head_norm": {"scale": (D,)}},
-}
-_is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-SHAPES_ABSTRACT = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), SHAPES, is_leaf=_is_shape)
+MODEL = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=F, moe_intermediate_size=F,
+                    num_hidden_layers=2 * L, first_k_dense_replace=L, num_attention_heads=H, q_lora_rank=Q,
+                    kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=R, v_head_dim=P, n_routed_experts=E,
+                    num_experts_per_tok=1, n_group=1, topk_group=1, index_n_heads=I, index_head_dim=J, index_topk=2,
+                    indexer_types=("full", "shared", "full", "shared")).validate()
+SHAPES_ABSTRACT = abstract_params(MODEL)
+assert SHAPES_ABSTRACT["indexers"]["wq_b"]["kernel"].shape == (LF, Q, I, J)
+assert SHAPES_ABSTRACT["moe_layers"]["attn"]["kv_b_proj"]["kernel"].shape == (L, C, H, NOPE + P)
 
 
 def random_tree(seed):
-    leaves, treedef = jax.tree.flatten(SHAPES, is_leaf=_is_shape)
+    leaves, treedef = jax.tree.flatten(SHAPES_ABSTRACT)
     rng = np.random.default_rng(seed)
-    return jax.tree.unflatten(treedef, [jnp.asarray(rng.normal(size=s), jnp.float32) for s in leaves])
+    return jax.tree.unflatten(treedef, [jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in leaves])
 
 
 def newton_schulz(g, steps=5):
@@ -85,7 +49,7 @@ def muon_update(g, lr=0.1, rms=0.2):
 
 
 def one_update(cfg, grads, params):
-    tx = make_optimizer(cfg, params)
+    tx = make_optimizer(cfg, params, config=MODEL)
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     return jax.tree.map(np.asarray, updates)
 
@@ -174,7 +138,7 @@ def test_muon_without_split_orthogonalises_whole_up_projections(params, grads):
 
 
 def test_groups_by_path():
-    labels = param_path_labels(SHAPES_ABSTRACT, OptimConfig(name="muon"))
+    labels = param_path_labels(SHAPES_ABSTRACT, OptimConfig(name="muon"), config=MODEL)
     assert labels["embed"]["embedding"] == "adamw"
     assert labels["lm_head"]["kernel"] == "adamw"
     assert labels["moe_layers"]["moe"]["router"]["kernel"] == "adamw"
@@ -188,7 +152,7 @@ def test_groups_by_path():
                    labels["indexers"]["wq_b"]["kernel"], labels["mtp"]["eh_proj"]["kernel"],
                    labels["mtp"]["layer"]["indexer"]["weights_proj"]["kernel"]):
         assert matrix == "muon"
-    adamw_labels = set(jax.tree.leaves(param_path_labels(SHAPES_ABSTRACT, OptimConfig(name="adamw"))))
+    adamw_labels = set(jax.tree.leaves(param_path_labels(SHAPES_ABSTRACT, OptimConfig(name="adamw"), config=MODEL)))
     assert adamw_labels == {"adamw", "adamw_no_decay", "frozen"}
 
 
@@ -200,7 +164,7 @@ def test_weight_decay_groups_and_bias_leaf_untouched(params, name):
     params = {"lm_head": params["lm_head"], "final_norm": params["final_norm"], "indexers": params["indexers"],
               "dense_layers": {"mlp": params["dense_layers"]["mlp"]},
               "moe_layers": {"moe": params["moe_layers"]["moe"]}}
-    tx = make_optimizer(cfg, params)
+    tx = make_optimizer(cfg, params, config=MODEL)
     grads = jax.tree.map(jnp.zeros_like, params)
     grads["moe_layers"]["moe"]["e_score_correction_bias"] = jnp.ones((L, E))
     state, current = tx.init(params), params
@@ -228,7 +192,7 @@ def _changed_paths(before, after):
 
 def test_trainable_indexer_updates_only_indexer_leaves(params):
     cfg = OptimConfig(name="muon", trainable="indexer", **CONST)
-    tx = make_optimizer(cfg, params)
+    tx = make_optimizer(cfg, params, config=MODEL)
     state, current = tx.init(params), params
 
     @jax.jit
@@ -253,14 +217,14 @@ def test_trainable_indexer_updates_only_indexer_leaves(params):
 def test_trainable_regex_list_and_yaml_loading(params):
     cfg = from_dict(OptimConfig, {"name": "adamw", "trainable": ["^lm_head/", "router"], **CONST})
     assert cfg.trainable == ("^lm_head/", "router")
-    labels = param_path_labels(params, cfg)
+    labels = param_path_labels(params, cfg, config=MODEL)
     assert labels["lm_head"]["kernel"] == "adamw"
     assert labels["moe_layers"]["moe"]["router"]["kernel"] == "adamw"
     assert labels["mtp"]["layer"]["moe"]["router"]["kernel"] == "adamw"
     assert labels["embed"]["embedding"] == "frozen"
     assert from_dict(OptimConfig, {"trainable": "indexer"}).trainable == "indexer"
     with pytest.raises(ConfigError, match="optim.trainable.*no_such_leaf"):
-        make_optimizer(OptimConfig(trainable=("no_such_leaf",)), params)
+        make_optimizer(OptimConfig(trainable=("no_such_leaf",)), params, config=MODEL)
 
 
 @pytest.mark.parametrize("fields, field", [

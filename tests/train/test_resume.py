@@ -6,7 +6,9 @@ import json
 import pytest
 
 from glm5_jax.config import ConfigError
-from glm5_jax.train.resume import check_resume_config, config_changes, drop_metrics_after
+from glm5_jax.config.rl import rl_step_config_as_dict, rl_step_config_from_dict
+from glm5_jax.train.resume import (check_resume_config, config_changes, default_experiment_dict,
+                                  drop_metrics_after)
 
 SAVED = {"model": {"hidden_size": 32}, "train": {"steps": 10, "batch_size": 2, "log_every": 5},
          "checkpoint": {"every": 2}, "optim": {"lr": 1e-3}}
@@ -53,3 +55,14 @@ def test_metrics_after_the_restored_step_are_dropped(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 3]
     assert drop_metrics_after(path, 3) == 0
     assert drop_metrics_after(tmp_path / "none.jsonl", 0) == 0
+
+
+def test_an_rl_section_saved_as_the_file_gave_it_resumes_with_the_parsed_section():
+    """Checkpoints written before the rl: section was parsed on load hold only the fields the file gave."""
+    given = {"loss": "double_sided_is", "eps_low": 0.2, "eps_high": 0.28, "max_staleness": 4}
+    saved = {**SAVED, "rl": given}
+    current = {**SAVED, "rl": rl_step_config_as_dict(rl_step_config_from_dict(given))}
+    assert check_resume_config(saved, current, step=4, allow_change=False, defaults=default_experiment_dict()) == []
+    changed = {**SAVED, "rl": rl_step_config_as_dict(rl_step_config_from_dict({**given, "eps_high": 0.3}))}
+    with pytest.raises(ConfigError, match=r"rl.eps_high: 0.28 -> 0.3"):
+        check_resume_config(saved, changed, step=4, allow_change=False, defaults=default_experiment_dict())

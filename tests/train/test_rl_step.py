@@ -18,7 +18,7 @@ from glm5_jax.model.transformer import forward, init
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 from glm5_jax.train.rl import RLConfig
 from glm5_jax.config.rl import RLStepConfig, rl_step_config_from_dict
-from glm5_jax.train.rl_step import rl_batch, rl_objective, rl_optim_config
+from glm5_jax.train.rl_step import RLObjective, rl_batch, rl_optim_config
 from glm5_jax.train.step import init_train_state, make_train_step
 
 # Dense layer + MoE layers with group-limited routing, DSA pruning (index_topk 4 < every sequence), MTP stored.
@@ -128,7 +128,7 @@ def test_routing_replay_reproduces_recorded_choices_after_the_bias_changed(param
 
     # Through the RL objective: with replay the trainer is exactly on-policy again despite the new bias.
     def ratio_stats(rl):
-        objective = rl_objective(CONFIG, dataclasses.replace(TRAIN, microbatches=1), rl)
+        objective = RLObjective(CONFIG, dataclasses.replace(TRAIN, microbatches=1), rl)
         _, (sums, _) = jax.jit(lambda p, b: objective(p, b, objective.denominators(b)))(moved, batch)
         return float(sums["ratio_mean"]), float(sums["mismatch_k3_kl"])
 
@@ -143,7 +143,7 @@ def adamw_step():
     optim = rl_optim_config(OptimConfig(name="adamw", lr=5e-2, weight_decay=0.1, warmup_steps=0, total_steps=100,
                                         schedule="constant"), RL)
     assert optim.trainable == "non_indexer"
-    return make_train_step(CONFIG, TRAIN, make_optimizer(optim, _params_like()), rl_config=RL), optim
+    return make_train_step(CONFIG, TRAIN, make_optimizer(optim, _params_like(), config=CONFIG), rl_config=RL), optim
 
 
 def _params_like():
@@ -154,7 +154,7 @@ def _params_like():
 def test_indexer_is_frozen_by_default_in_rl(params, records, adamw_step):
     step, optim = adamw_step
     assert rl_optim_config(OptimConfig(), dataclasses.replace(RL, train_indexer=True)).trainable == "all"
-    new_params = step(_state(params, make_optimizer(optim, params)), _batch(records))[0].params
+    new_params = step(_state(params, make_optimizer(optim, params, config=CONFIG)), _batch(records))[0].params
     for name, old, new in (("indexers", params["indexers"], new_params["indexers"]),
                            ("mtp indexer", params["mtp"]["layer"]["indexer"], new_params["mtp"]["layer"]["indexer"])):
         for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
@@ -191,7 +191,7 @@ def test_a_short_rl_run_on_a_bandit_task_raises_the_mean_reward(params, adamw_st
     """One-token answers (every id is an EOS id); reward 1 for an id in the lower half of the vocabulary
     (about half at the start). Same shapes as the other tests, so generation and the step are compiled once."""
     step, optim = adamw_step
-    state = _state(params, make_optimizer(optim, params))
+    state = _state(params, make_optimizer(optim, params, config=CONFIG))
     group_size = 4
     prompts = [PROMPTS[1 + row // group_size] for row in range(2 * group_size)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, eos_ids=tuple(range(CONFIG.vocab_size)))
@@ -223,9 +223,9 @@ def test_rl_recipes_set_the_band_explicitly_and_freeze_the_indexer(name, loss, t
     (start / "checkpoints").mkdir(parents=True)
     shutil.copy(configs / "tiny.yaml", start / "model.yaml")
     experiment = load_experiment(configs / f"{name}.yaml", [f"train.init_from={start}"])
-    rl = rl_step_config_from_dict(experiment.rl)
+    rl = experiment.rl  # parsed when the file was loaded
     assert experiment.train.mode == "rl" and rl.objective.loss == loss
-    assert "eps_low" in experiment.rl and "eps_high" in experiment.rl  # given in the file, not defaulted
+    assert rl.objective.eps_low is not None and rl.objective.eps_high is not None  # given in the file, no default
     assert rl_optim_config(experiment.optim, rl).trainable == "non_indexer"
     assert experiment.train.bias_update_rate == 0.0 and rl.replay_routing
     make_train_step(experiment.model, experiment.train, optax.sgd(0.1), rl_config=experiment.rl, jit=False)

@@ -205,7 +205,7 @@ def _like(run_dir):
 
     cfg = load_experiment(run_dir.parent / "exp.yaml")
     params = init(cfg.model, jax.random.key(0))
-    return params, make_optimizer(cfg.optim, params).init(params)
+    return params, make_optimizer(cfg.optim, params, config=cfg.model).init(params)
 
 
 @pytest.mark.slow

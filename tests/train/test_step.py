@@ -107,7 +107,7 @@ def _step(mode="pretrain", microbatches=1, lr=1e-2, trainable="all", bias_rate=1
     optim = OptimConfig(name="adamw", lr=lr, min_lr=0.0, warmup_steps=1, total_steps=10, schedule="constant",
                         weight_decay=0.0, trainable=trainable, eps=eps)
     params = random_params(MODEL, seed=0)  # init's layout and scales, without compiling init op by op
-    tx = make_optimizer(optim, params)
+    tx = make_optimizer(optim, params, config=MODEL)
     train = TrainConfig(mode=mode, batch_size=4, seq_len=12, microbatches=microbatches, vocab_chunk=32,
                         bias_update_rate=bias_rate)
     return make_train_step(MODEL, train, tx), init_train_state(params, tx)

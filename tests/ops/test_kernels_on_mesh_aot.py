@@ -35,7 +35,7 @@ def _compiled_loss_and_grads(indexer_mode: str | None):
     mesh = make_mesh(MeshConfig(data=2, fsdp=2), get_topology("v5p-8").devices())
     abstract = jax.eval_shape(lambda: init(MODEL, jax.random.key(0)))
     params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                          abstract, param_shardings(abstract, mesh))
+                          abstract, param_shardings(abstract, mesh, config=MODEL))
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
 
     def loss(params, tokens):

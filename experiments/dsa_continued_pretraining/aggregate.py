@@ -23,7 +23,8 @@ WINDOW = 5
 
 def seed_figures(results: Path) -> dict[str, float]:
     """The scalar figures of one seed's folder."""
-    evals = {name: entry["eval_loss"] for name, entry in json.loads((results / "summary.json").read_text())["eval"].items()}
+    evaluated = json.loads((results / "summary.json").read_text())["eval"]
+    evals = {name: entry["eval_loss"] for name, entry in evaluated.items()}
     dense = evals["dense_pretrain_dense"]
     naive_cost = evals["dense_pretrain_top64_untrained_indexer"] - dense
     warmup_drop = evals["after_warmup_top64"] - dense
@@ -57,7 +58,8 @@ def aggregate(results: Path) -> dict:
 def curve_bands(results: Path) -> dict[str, dict[str, dict]]:
     """{figure: {curve: band}}: pre-training loss, the warm-up's KL and top-k mass, sparse vs dense LM loss."""
     seeds = seed_dirs(results)
-    rows = {seed: {stage: read_jsonl(path / f"{stage}_metrics.jsonl") for stage in STAGES} for seed, path in seeds.items()}
+    rows = {seed: {stage: read_jsonl(path / f"{stage}_metrics.jsonl") for stage in STAGES}
+            for seed, path in seeds.items()}
 
     def curves(stage: str, key: str) -> dict:
         return band({seed: {r["step"]: r[key] for r in rows[seed][stage] if key in r} for seed in seeds})

@@ -46,7 +46,8 @@ def main(argv: list[str]) -> None:
     print("\nmedian k3 mismatch KL per variant: " + ", ".join(f"{v} {x}" for v, x in kl.items()))
     kl_max = {v: format_spread(figures[v]["mismatch_k3_kl_max"], 3) for v in corrected}
     print("largest k3 mismatch KL per variant: " + ", ".join(f"{v} {x}" for v, x in kl_max.items()))
-    print("dropped stale samples: " + ", ".join(f"{v} {format_spread(figures[v]['dropped_stale'], 0)}" for v in VARIANTS))
+    dropped = {v: format_spread(figures[v]["dropped_stale"], 0) for v in VARIANTS}
+    print("dropped stale samples: " + ", ".join(f"{v} {x}" for v, x in dropped.items()))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _first_batch(config: Path, overrides: list[str]):
 
 @pytest.mark.parametrize("config", [pytest.param("configs/pretrain_dense_long.yaml", marks=pytest.mark.slow),
                                     "configs/dsa_warmup.yaml",
-                                    "configs/dsa_sparse.yaml", "experiments/dsa_continued_pretraining/dense_control.yaml"])
+                                    "configs/dsa_sparse.yaml",
+                                    "experiments/dsa_continued_pretraining/dense_control.yaml"])
 def test_dsa_seed_reaches_the_batch_order_of_every_stage(config):
     # The same pipeline over fewer stdlib files, to keep the test short; no earlier stage to start from here.
     small = ["data.max_files=30", "train.init_from=''"]
@@ -72,7 +73,8 @@ def test_chat_sft_seed_reaches_initial_weights_and_batch_order(tmp_path):
     cfg0, tokens0 = _first_batch(ROOT / "configs/sft_chat.yaml", data + ["train.seed=0"])
     cfg1, tokens1 = _first_batch(ROOT / "configs/sft_chat.yaml", data + ["train.seed=1"])
     assert not np.array_equal(tokens0, tokens1)
-    assert _differs(init(cfg0.model, jax.random.key(cfg0.train.seed)), init(cfg1.model, jax.random.key(cfg1.train.seed)))
+    assert _differs(init(cfg0.model, jax.random.key(cfg0.train.seed)),
+                    init(cfg1.model, jax.random.key(cfg1.train.seed)))
 
 
 @pytest.mark.parametrize("experiment", ["dsa_continued_pretraining", "chat_sft"])

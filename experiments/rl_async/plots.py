@@ -12,6 +12,8 @@ from experiments.seeds import seed_dirs
 
 LABELS = {
     "reward": (f"sampled reward (trailing mean of {REWARD_SMOOTHING} steps)", "async RL: sampled reward"),
+    "reward_minus_no_is_correction": ("reward minus no_is_correction (same seed)",
+                                      f"async RL: sampled reward minus no_is_correction's (trailing mean of {REWARD_SMOOTHING})"),
     "greedy_accuracy": ("greedy accuracy, 128 held-out prompts", "async RL: greedy accuracy"),
     "mask_fraction": (f"fraction outside (0.8, 1.2) (trailing mean of {REWARD_SMOOTHING})",
                       "async RL: tokens outside the IS band"),
@@ -24,8 +26,9 @@ def main(argv: list[str]) -> list[Path]:
     written = []
     for figure, bands in curve_bands(results).items():
         ylabel, title = LABELS[figure]
+        reference = 0.0 if figure == "reward_minus_no_is_correction" else None
         written.append(plot_bands(results / f"{figure}.png", bands, title=title, ylabel=ylabel, xlabel="trainer step",
-                                  seeds=seeds))
+                                  seeds=seeds, reference=reference))
     return written
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.rl_async.aggregate import BASELINE, LAST_EVALS, VARIANTS, WINDOWS
+from experiments.rl_async.aggregate import BASELINE, LAST_EVALS, PAIRED_FIGURES, VARIANTS, WINDOWS
 from experiments.seeds import format_spread
 
 
@@ -34,13 +34,14 @@ def main(argv: list[str]) -> None:
         cells = [figures[v][f"{key}_mean"]] + [figures[v][f"{key}_staleness_{lag}"] for lag in range(4)]
         print(f"| {v} ({label}) | " + " | ".join(
             f"{100 * c['mean']:.1f}% ({100 * c['min']:.1f}-{100 * c['max']:.1f})" for c in cells) + " |")
-    print(f"\nPaired difference against {BASELINE} (same seed, same SFT weights and prompts):\n")
-    print(f"| variant | reward, steps 81-100 | greedy accuracy, mean of steps {', '.join(map(str, LAST_EVALS))} |")
-    print("|---|---|---|")
+    print(f"\nPaired difference against {BASELINE} (same seed, same SFT weights and prompts): mean (per seed)\n")
+    print(f"| variant | reward, steps 1-100 | reward, steps 81-100 | greedy accuracy, mean of steps "
+          f"{', '.join(map(str, LAST_EVALS))} |")
+    print("|---|---|---|---|")
     for v, diff in summary[f"paired_vs_{BASELINE}"].items():
-        print(f"| {v} | " + " | ".join(
-            f"{d['mean']:+.3f} ({d['min']:+.3f} to {d['max']:+.3f})" for d in (diff["reward_81_100"],
-                                                                            diff["greedy_last_evals"])) + " |")
+        cells = [f"{d['mean']:+.3f} (" + ", ".join(f"{x:+.3f}" for x in d["per_seed"].values()) + ")"
+                 for d in (diff[name] for name in PAIRED_FIGURES)]
+        print(f"| {v} | " + " | ".join(cells) + " |")
     corrected = [v for v in VARIANTS if v != BASELINE]  # the baseline overwrites its logprobs: KL 0
     kl = {v: format_spread(figures[v]["mismatch_k3_kl_median"], 4) for v in corrected}
     print("\nmedian k3 mismatch KL per variant: " + ", ".join(f"{v} {x}" for v, x in kl.items()))

@@ -51,6 +51,8 @@ def test_rl_async_summary_over_seeds(tmp_path):
     assert paired["double_sided_is"]["reward_81_100"]["mean"] == pytest.approx(0.05)
     bands = rl_async.curve_bands(tmp_path)
     assert bands["reward"]["tis"]["min"][-1] == pytest.approx(0.4)
+    assert bands["reward_minus_no_is_correction"]["tis"]["min"][-1] == pytest.approx(0.0)
+    assert bands["reward_minus_no_is_correction"]["tis"]["max"][-1] == pytest.approx(0.2)
     assert bands["greedy_accuracy"]["tis"]["step"] == [1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
 

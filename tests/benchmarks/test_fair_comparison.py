@@ -70,3 +70,48 @@ def test_hf_variants_hold_the_same_weights_and_compute_the_same_loss_and_gradien
     for variant in ("sdpa", "sdpa_checkpointed"):
         assert losses[variant] == pytest.approx(losses["eager"], rel=1e-5)
         np.testing.assert_allclose(grads[variant], grads["eager"], rtol=1e-4, atol=1e-6)
+
+
+def test_long_context_pools_rounds_and_reports_each_hf_variant():
+    from benchmarks.long_context_vs_hf import parse_args, pooled_record, row_for, summary
+
+    gib = 2**30
+    jax_rounds = [{"status": "ok", "step_times_s": [2.0, 4.0], "first_step_s": 30.0, "first_loss": 9.1,
+                   "peak_rss_bytes": 3 * gib},
+                  {"status": "ok", "step_times_s": [3.0, 5.0], "first_step_s": 31.0, "first_loss": 9.1,
+                   "peak_rss_bytes": 4 * gib}]
+    jax_record = pooled_record(jax_rounds, 2048)
+    assert jax_record["step_s"] == {"median_s": 3.5, "min_s": 2.0, "max_s": 5.0, "repeats": 4}
+    assert jax_record["round_median_step_s"] == [3.0, 4.0] and jax_record["peak_rss_gib"] == 4.0
+    assert jax_record["tokens_per_s"] == round(2048 / 3.5, 1)
+    eager = pooled_record([{"status": "ok", "step_times_s": [7.0, 7.0], "first_step_s": 8.0, "first_loss": 9.1,
+                            "peak_rss_bytes": 8 * gib},
+                           {"status": "does_not_fit", "cap_gib": 20.0, "peak_rss_bytes": 20 * gib}], 2048)
+    assert eager["status"] == "does_not_fit" and eager["rounds_ok"] == 1
+    checkpointed = pooled_record([{"status": "ok", "step_times_s": [7.0], "first_step_s": 8.0, "first_loss": 9.1,
+                                   "peak_rss_bytes": 2 * gib}], 2048)
+    row = row_for(2048, jax_record, {"eager": eager, "sdpa_checkpointed": checkpointed})
+    assert row["ratio_tokens_per_s"] == {"sdpa_checkpointed": 2.0}
+    assert row["ratio_peak_rss"] == {"sdpa_checkpointed": 2.0}
+    args = parse_args(["--seqs", "2048", "--threads", "1"])
+    assert args.hf_variants == ["eager", "sdpa_checkpointed"] and args.rounds == 2
+    out = summary([row], args)
+    assert out["hf"]["eager"]["first_seq_not_fitting"] == 2048
+    assert out["hf"]["sdpa_checkpointed"]["first_seq_not_fitting"] is None
+
+
+def test_decode_takes_decode_time_pair_by_pair_over_rounds():
+    from benchmarks.decode_vs_hf import parse_args, pooled_record
+
+    gib = 2**30
+    rounds = [{"status": "ok", "prefill_times_s": [1.0, 1.2], "full_times_s": [11.0, 13.2], "warmup_s": 40.0,
+               "cache_bytes_per_token_per_layer": 896.0, "peak_rss_bytes": gib},
+              {"status": "ok", "prefill_times_s": [1.1, 0.9], "full_times_s": [12.1, 11.9], "warmup_s": 41.0,
+               "cache_bytes_per_token_per_layer": 896.0, "peak_rss_bytes": 2 * gib}]
+    record = pooled_record(rounds, batch=2, prompt_len=100, new_tokens=11)
+    assert record["decode_s"] == {"median_s": 11.0, "min_s": 10.0, "max_s": 12.0, "repeats": 4}
+    assert record["decode_tokens_per_s"] == round(2 * 10 / 11.0, 1)
+    assert record["round_decode_median_s"] == [11.0, 11.0] and record["peak_rss_gib"] == 2.0
+    assert record["cache_bytes_per_token_per_layer"] == 896.0 and record["warmup_s"] == [40.0, 41.0]
+    args = parse_args(["--threads", "1"])
+    assert args.hf_variants == ["eager", "sdpa"] and args.repeats == 2 and args.rounds == 2

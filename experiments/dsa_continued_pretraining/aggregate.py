@@ -56,13 +56,22 @@ def aggregate(results: Path) -> dict:
 
 
 def curve_bands(results: Path) -> dict[str, dict[str, dict]]:
-    """{figure: {curve: band}}: pre-training loss, the warm-up's KL and top-k mass, sparse vs dense LM loss."""
+    """{figure: {curve: band}}: pre-training loss, the warm-up's KL and top-k mass, sparse vs dense LM loss and
+    their paired difference."""
     seeds = seed_dirs(results)
     rows = {seed: {stage: read_jsonl(path / f"{stage}_metrics.jsonl") for stage in STAGES}
             for seed, path in seeds.items()}
 
+    def seed_curve(seed: int, stage: str, key: str) -> dict[int, float]:
+        return {r["step"]: r[key] for r in rows[seed][stage] if key in r}
+
     def curves(stage: str, key: str) -> dict:
-        return band({seed: {r["step"]: r[key] for r in rows[seed][stage] if key in r} for seed in seeds})
+        return band({seed: seed_curve(seed, stage, key) for seed in seeds})
+
+    def gap() -> dict:
+        """DSA minus dense control, step by step on the same batches, seed by seed."""
+        return band({seed: {step: loss - seed_curve(seed, "dense_control", "lm_loss")[step]
+                            for step, loss in seed_curve(seed, "sparse", "lm_loss").items()} for seed in seeds})
 
     return {
         "pretrain_loss": {"dense pre-training": curves("dense_pretrain", "lm_loss")},
@@ -70,6 +79,7 @@ def curve_bands(results: Path) -> dict[str, dict[str, dict]]:
         "warmup_topk_mass": {"attention mass in the indexer's top-64": curves("warmup", "topk_attention_mass")},
         "sparse_vs_dense_loss": {"DSA sparse adaptation (top-64)": curves("sparse", "lm_loss"),
                                  "dense control": curves("dense_control", "lm_loss")},
+        "sparse_minus_dense_loss": {"DSA minus dense control": gap()},
     }
 
 

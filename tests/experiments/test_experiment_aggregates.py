@@ -84,6 +84,8 @@ def test_dsa_summary_over_seeds(tmp_path):
     assert figures["warmup_indexer_kl_last5"]["mean"] == pytest.approx(sum(1 / s for s in range(26, 31)) / 5)
     bands = dsa.curve_bands(tmp_path)["sparse_vs_dense_loss"]
     assert bands["DSA sparse adaptation (top-64)"]["max"][0] == pytest.approx(2.54)
+    gap = dsa.curve_bands(tmp_path)["sparse_minus_dense_loss"]["DSA minus dense control"]
+    assert (gap["min"][-1], gap["max"][-1]) == (pytest.approx(0.01), pytest.approx(0.02))
 
 
 def _chat_eval(right_marker: float, p_wrong: float) -> dict:

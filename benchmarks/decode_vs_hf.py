@@ -8,17 +8,23 @@ sides (glm5_jax's init exported through `glm5_jax.convert.hf`), batch --batch of
             absorbed-form latent cache with DSA top-k; compiled in an untimed first call)
   HF        `model.generate(do_sample=False, min_new_tokens=max_new_tokens)` with its DynamicCache (which also
             stores the latent, but re-expands every cached position through kv_b_proj at every step)
-Prefill time = a call with max_new_tokens=1; decode time = a call with --new-tokens minus that (glm5_jax: the
-fastest of 2 calls each; HF: prefill the fastest of 2, the full generation once); prefill tokens/s = batch x
-prompt / prefill time, decode tokens/s = batch x (new - 1) / decode time. Cache bytes per
+Each --hf-variants entry (benchmarks/hf_variants.py: `eager`, HF's default, and `sdpa`, torch's fused attention)
+runs and is reported on its own, in eval mode. Every side gets the same untimed warm-up (glm5_jax: the compiling
+calls; HF: a 2-token generation) and then --repeats timed pairs of calls: prefill = a call with
+max_new_tokens=1, then a call with --new-tokens; decode time = the second minus the first of each pair. The
+sides take turns in --rounds rounds (ABBA order, each round a fresh child per side) and are pinned to the same
+--threads CPUs (benchmarks/cpu_limit.py; torch also gets that many threads). Reported per side: the medians over
+all pairs of every round, with their min and max; prefill tokens/s = batch x prompt / prefill time, decode
+tokens/s = batch x (new - 1) / decode time. Cache bytes per
 token and layer are read from the actual cache arrays (glm5_jax: the state `prefill` returns; HF: the
 DynamicCache `generate` returns) and checked against (kv_lora_rank + qk_rope_head_dim + index_head_dim) x 4.
 The generated tokens of both sides are compared token by token. They cannot be expected to match once the
 indexer prunes: at random init ReLU leaves many index scores exactly 0, `jax.lax.top_k` and `torch.topk` keep
 different keys tied at the k-th score (SPEC 2.2.6; `benchmarks/topk_ties_vs_hf.py` shows every first-layer
 difference is such a tie), and greedy decoding amplifies the change. So a first run (--exact-check-len) keeps
-every position within index_topk keys, where no tie can matter: there the tokens must be identical. Each side runs in its own child process,
-capped at --mem-cap-gib (benchmarks/capped_child.py), which also reports its peak RSS.
+every position within index_topk keys, where no tie can matter: there the tokens must be identical. Each side
+runs in its own child process, capped at --mem-cap-gib (benchmarks/capped_child.py), which also reports its peak
+RSS (the row keeps the largest over rounds).
 
 Part 2, MTP (--mtp-run-dir, a run of `configs/train_tiny_stdlib.yaml` trained with `model.mtp_num_steps=3`):
 plain `generate` against `speculative_generate` (3 drafts per verify step) on its latest checkpoint, at
@@ -41,10 +47,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.capped_child import GIB, run_capped
-from benchmarks.hf_reference import HF_ATTENTION, load_model
+from benchmarks.cpu_limit import limit_cpus
+from benchmarks.repeats import spread_of, turn_order
 
 INDEX_TOPK = 256
 THIS = "benchmarks.decode_vs_hf"
+HF_VARIANTS = ("eager", "sdpa")  # inference: gradient checkpointing does not apply
 
 
 def model_config(max_len: int):
@@ -70,22 +78,29 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    """The fastest of `repeats` timed calls (background load only ever adds time) and its output."""
-    runs = [timed(fn) for _ in range(repeats)]
-    return min(runs, key=lambda run: run[0])
+def timed_pairs(prefill_call, full_call, repeats: int) -> tuple[dict, object]:
+    """`repeats` (prefill, full) timed pairs: {"prefill_times_s", "full_times_s"}, and the last full output."""
+    prefill, full, out = [], [], None
+    for _ in range(repeats):
+        prefill.append(timed(prefill_call)[0])
+        elapsed, out = timed(full_call)
+        full.append(elapsed)
+    return {"prefill_times_s": [round(t, 4) for t in prefill], "full_times_s": [round(t, 4) for t in full]}, out
 
 
-def speeds(batch: int, prompt_len: int, new_tokens: int, prefill_s: float, full_s: float) -> dict:
-    decode_s = full_s - prefill_s
-    return {"prefill_s": round(prefill_s, 3), "generate_s": round(full_s, 3), "decode_s": round(decode_s, 3),
-            "prefill_tokens_per_s": round(batch * prompt_len / prefill_s, 1),
-            "decode_tokens_per_s": round(batch * (new_tokens - 1) / decode_s, 1),
-            "decode_ms_per_step": round(1e3 * decode_s / (new_tokens - 1), 2)}
+def speeds(batch: int, prompt_len: int, new_tokens: int, prefill_times: list[float], full_times: list[float]) -> dict:
+    """Medians and spreads of prefill, full and decode (= full - prefill of the same pair) times, and speeds."""
+    prefill, full = spread_of(prefill_times), spread_of(full_times)
+    decode = spread_of([f - p for p, f in zip(prefill_times, full_times)])
+    return {"prefill_s": prefill, "generate_s": full, "decode_s": decode,
+            "prefill_tokens_per_s": round(batch * prompt_len / prefill["median_s"], 1),
+            "decode_tokens_per_s": round(batch * (new_tokens - 1) / decode["median_s"], 1),
+            "decode_ms_per_step": round(1e3 * decode["median_s"] / (new_tokens - 1), 2)}
 
 
 def jax_child(spec: dict) -> dict:
     """glm5_jax generation (capped child): timings, cache bytes, tokens saved to spec["tokens_out"]."""
+    limit_cpus(spec["threads"])  # before jax is imported and starts its CPU backend
     import jax
 
     from glm5_jax.generation import SamplingParams, generate
@@ -103,9 +118,8 @@ def jax_child(spec: dict) -> dict:
     def run(sampling):
         return generate(params, prompts, config=config, sampling=sampling, max_len=max_len)
 
-    compile_s = timed(lambda: run(one))[0] + timed(lambda: run(full))[0]  # first calls compile
-    prefill_s = best_of(lambda: run(one), 2)[0]
-    full_s, out = best_of(lambda: run(full), 2)
+    compile_s = timed(lambda: run(one))[0] + timed(lambda: run(full))[0]  # the warm-up: first calls compile
+    times, out = timed_pairs(lambda: run(one), lambda: run(full), spec["repeats"])
     np.save(spec["tokens_out"], out.tokens)
     # The cache the decode steps read, as `generate` builds it (same compiled prefill).
     nucleus, values = split_sampling(full)
@@ -114,7 +128,7 @@ def jax_child(spec: dict) -> dict:
                        max_new_tokens=new, collect_routing=False, return_logits=False)
     cache_bytes = sum(a.nbytes for a in jax.tree.leaves(state.cache))
     per_token_layer = cache_bytes / (config.num_hidden_layers * batch * max_len)
-    return {**speeds(batch, prompt_len, new, prefill_s, full_s), "compile_and_first_calls_s": round(compile_s, 1),
+    return {**times, "warmup_s": round(compile_s, 1),
             "cache_bytes": int(cache_bytes), "cache_bytes_per_token_per_layer": per_token_layer,
             "cache_shapes": {k: list(v.shape) for k, v in state.cache._asdict().items()}}
 
@@ -131,10 +145,14 @@ def hf_cache_bytes(cache) -> tuple[int, int]:
 
 
 def hf_child(spec: dict) -> dict:
-    """HF generation (capped child; no jax): timings, cache bytes, tokens saved to spec["tokens_out"]."""
+    """HF generation of one variant (capped child; no jax): timings, cache bytes, tokens saved to
+    spec["tokens_out"]."""
+    limit_cpus(spec["threads"])
     import torch
 
-    model = load_model(spec["weights_dir"], spec["hf_attention"], spec["threads"]).eval()
+    from benchmarks.hf_variants import load_variant
+
+    model = load_variant(spec["weights_dir"], spec["hf_variant"], spec["threads"]).eval()
     batch, prompt_len, new = spec["batch"], spec["prompt_len"], spec["new_tokens"]
     prompts = torch.from_numpy(random_prompts(model.config.vocab_size, batch, prompt_len, spec["seed"] + 1)).long()
 
@@ -144,14 +162,13 @@ def hf_child(spec: dict) -> dict:
                                   max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None, pad_token_id=0,
                                   use_cache=True, return_dict_in_generate=True)
 
-    timed(lambda: run(2))  # warm-up (allocator, kernels)
-    prefill_s = best_of(lambda: run(1), 2)[0]
-    full_s, out = timed(lambda: run(new))  # one run: HF's decode is the slow side
+    warmup_s = timed(lambda: run(2))[0]  # the warm-up (allocator, kernels)
+    times, out = timed_pairs(lambda: run(1), lambda: run(new), spec["repeats"])
     tokens = out.sequences[:, prompt_len:].numpy().astype(np.int32)
     np.save(spec["tokens_out"], tokens)
     cache_bytes, positions = hf_cache_bytes(out.past_key_values)
     per_token_layer = cache_bytes / (model.config.num_hidden_layers * batch * positions)
-    return {**speeds(batch, prompt_len, new, prefill_s, full_s), "cache_bytes": int(cache_bytes),
+    return {**times, "warmup_s": round(warmup_s, 1), "cache_bytes": int(cache_bytes),
             "cache_positions": positions, "cache_bytes_per_token_per_layer": per_token_layer,
             "cache_implementation": type(out.past_key_values).__name__}
 
@@ -183,29 +200,64 @@ def side_record(result: dict) -> dict:
     return record
 
 
+def pooled_record(results: list[dict], batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """One side's record from its rounds: speeds from the medians over every timed pair, the spreads, the
+    per-round decode medians, the largest peak RSS, the cache figures of the first round; the first failure
+    if a round failed."""
+    failed = [r for r in results if r.get("status") != "ok"]
+    if failed:
+        return side_record(dict(failed[0], rounds_ok=len(results) - len(failed)))
+    prefill = [t for r in results for t in r["prefill_times_s"]]
+    full = [t for r in results for t in r["full_times_s"]]
+    record = {key: value for key, value in results[0].items()
+              if key not in ("prefill_times_s", "full_times_s", "peak_rss_bytes", "warmup_s")}
+    record.update(speeds(batch, prompt_len, new_tokens, prefill, full))
+    record["round_decode_median_s"] = [speeds(batch, prompt_len, new_tokens, r["prefill_times_s"], r["full_times_s"])
+                                       ["decode_s"]["median_s"] for r in results]
+    record["warmup_s"] = [r["warmup_s"] for r in results]
+    record["peak_rss_gib"] = round(max(r["peak_rss_bytes"] for r in results) / GIB, 3)
+    return record
+
+
 def measure_vs_hf(args: argparse.Namespace, prompt_len: int, weights_dir: str, config: dict,
                   new_tokens: int | None = None) -> dict:
     new_tokens = args.new_tokens if new_tokens is None else new_tokens
-    spec = {"batch": args.batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": args.seed}
+    spec = {"batch": args.batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": args.seed,
+            "repeats": args.repeats, "threads": args.threads}
     out_dir = Path(weights_dir)
-    jax_result = run_capped(f"{THIS}:jax_child", dict(spec, tokens_out=str(out_dir / f"jax_{prompt_len}.npy")),
-                            args.mem_cap_gib, args.child_timeout_s)
-    hf_result = run_capped(f"{THIS}:hf_child", dict(spec, tokens_out=str(out_dir / f"hf_{prompt_len}.npy"),
-                                                    weights_dir=weights_dir, threads=args.threads,
-                                                    hf_attention=args.hf_attention),
-                           args.mem_cap_gib, args.child_timeout_s)
+    sides = ["glm5_jax"] + [f"hf_{v}" for v in args.hf_variants]
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    for _, side in turn_order(sides, args.rounds):
+        if any(r.get("status") == "does_not_fit" for r in results[side]):
+            continue
+        tokens_out = str(out_dir / f"{side}_{prompt_len}.npy")
+        if side == "glm5_jax":
+            result = run_capped(f"{THIS}:jax_child", dict(spec, tokens_out=tokens_out), args.mem_cap_gib,
+                                args.child_timeout_s)
+        else:
+            result = run_capped(f"{THIS}:hf_child", dict(spec, tokens_out=tokens_out, weights_dir=weights_dir,
+                                                         hf_variant=side[3:]), args.mem_cap_gib, args.child_timeout_s)
+        results[side].append(result)
+    records = {side: pooled_record(results[side], args.batch, prompt_len, new_tokens) for side in sides}
+    jax_record = records["glm5_jax"]
     row = {"benchmark": "decode_vs_hf", "batch": args.batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-           "index_topk": INDEX_TOPK, "indexer_prunes": prompt_len + new_tokens > INDEX_TOPK, "glm5_jax": side_record(jax_result), "hf": side_record(hf_result),
-           "expected_cache_bytes_per_token_per_layer": expected_cache_bytes_per_token(config)}
-    if jax_result.get("status") == "ok" and hf_result.get("status") == "ok":
-        row["ratio_decode_tokens_per_s"] = round(jax_result["decode_tokens_per_s"] / hf_result["decode_tokens_per_s"], 3)
-        row["ratio_prefill_tokens_per_s"] = round(jax_result["prefill_tokens_per_s"]
-                                                  / hf_result["prefill_tokens_per_s"], 3)
-        row["cache_bytes_per_token_per_layer_match"] = all(
+           "index_topk": INDEX_TOPK, "indexer_prunes": prompt_len + new_tokens > INDEX_TOPK,
+           "repeats_per_round": args.repeats, "rounds": args.rounds, "threads": args.threads,
+           "glm5_jax": jax_record, "hf": {v: records[f"hf_{v}"] for v in args.hf_variants},
+           "expected_cache_bytes_per_token_per_layer": expected_cache_bytes_per_token(config),
+           "ratio_decode_tokens_per_s": {}, "ratio_prefill_tokens_per_s": {}, "agreement": {}}
+    for variant, hf_record in row["hf"].items():
+        if jax_record.get("status") != "ok" or hf_record.get("status") != "ok":
+            continue
+        row["ratio_decode_tokens_per_s"][variant] = round(jax_record["decode_tokens_per_s"]
+                                                          / hf_record["decode_tokens_per_s"], 3)
+        row["ratio_prefill_tokens_per_s"][variant] = round(jax_record["prefill_tokens_per_s"]
+                                                           / hf_record["prefill_tokens_per_s"], 3)
+        row[f"cache_bytes_per_token_per_layer_match_{variant}"] = all(
             r["cache_bytes_per_token_per_layer"] == row["expected_cache_bytes_per_token_per_layer"]
-            for r in (jax_result, hf_result))
-        row["agreement"] = token_agreement(np.load(out_dir / f"jax_{prompt_len}.npy"),
-                                           np.load(out_dir / f"hf_{prompt_len}.npy"))
+            for r in (jax_record, hf_record))
+        row["agreement"][variant] = token_agreement(np.load(out_dir / f"glm5_jax_{prompt_len}.npy"),
+                                                    np.load(out_dir / f"hf_{variant}_{prompt_len}.npy"))
     row["load_average"] = [round(x, 2) for x in os.getloadavg()]
     return row
 
@@ -262,16 +314,17 @@ def mtp_child(spec: dict) -> dict:
         result = {}
         for kind, call in calls.items():
             call(one), call(full)  # compile
-            prefill_s = best_of(lambda: call(one), 3)[0]
-            full_s, out = best_of(lambda: call(full), 3)
-            result[kind] = {**speeds(len(prompts), spec["prompt_len"], new, prefill_s, full_s),
-                            "mean_generated": float(out.lengths.mean())}
+            times, out = timed_pairs(lambda: call(one), lambda: call(full), 3)
+            result[kind] = {**speeds(len(prompts), spec["prompt_len"], new, times["prefill_times_s"],
+                                     times["full_times_s"]), "mean_generated": float(out.lengths.mean())}
             if kind == "speculative":
                 result[kind]["accepted_length_per_step"] = round(out.acceptance_length, 3)
             result[kind]["tokens"] = out.tokens.tolist()
         plain_tokens, spec_tokens = result["plain"].pop("tokens"), result["speculative"].pop("tokens")
-        result["decode_speedup"] = round(result["plain"]["decode_s"] / result["speculative"]["decode_s"], 3)
-        result["generate_speedup"] = round(result["plain"]["generate_s"] / result["speculative"]["generate_s"], 3)
+        result["decode_speedup"] = round(result["plain"]["decode_s"]["median_s"]
+                                         / result["speculative"]["decode_s"]["median_s"], 3)
+        result["generate_speedup"] = round(result["plain"]["generate_s"]["median_s"]
+                                           / result["speculative"]["generate_s"]["median_s"], 3)
         if temperature == 0:
             result["greedy_tokens_identical"] = plain_tokens == spec_tokens
         rows[name] = result
@@ -289,8 +342,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--mem-cap-gib", type=float, default=9.0, help="address-space cap of each child, GiB")
     parser.add_argument("--child-timeout-s", type=float, default=900.0)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--hf-attention", default="eager", choices=HF_ATTENTION)
+    parser.add_argument("--threads", type=int, default=min(2, len(os.sched_getaffinity(0))),
+                        help="CPUs every side is pinned to (and torch's intra-op threads)")
+    parser.add_argument("--hf-variants", nargs="+", default=list(HF_VARIANTS), choices=HF_VARIANTS,
+                        help="HF attention implementations to run, each reported beside glm5_jax")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed (prefill, full) pairs per side and round, the same for every side")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds per prompt length; the sides take turns in ABBA order, a fresh child each")
     parser.add_argument("--mtp-run-dir", default="",
                         help="run directory of configs/train_tiny_stdlib.yaml trained with model.mtp_num_steps=3 "
                              "(empty: skip the MTP part)")
@@ -299,7 +358,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mtp-drafts", type=int, default=3, help="drafted tokens per verify step")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("batch", "threads", "mtp_prompt_len", "mtp_drafts"):
+    for name in ("batch", "threads", "mtp_prompt_len", "mtp_drafts", "repeats", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
     for name in ("new_tokens", "mtp_new_tokens"):
@@ -309,6 +368,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.exact_check_len <= INDEX_TOPK - 2:
         parser.error(f"--exact-check-len={args.exact_check_len} is invalid: must be in [0, {INDEX_TOPK - 2}] "
                      f"(it leaves index_topk {INDEX_TOPK} minus it, at least 2, new tokens)")
+    if args.threads > len(os.sched_getaffinity(0)):
+        parser.error(f"--threads={args.threads} is invalid: this process may use {len(os.sched_getaffinity(0))} CPUs")
+    if len(set(args.hf_variants)) != len(args.hf_variants):
+        parser.error(f"--hf-variants={args.hf_variants} is invalid: name each variant once")
     for length in args.prompt_lens:
         if length < 1:
             parser.error(f"--prompt-lens value {length} is invalid: must be >= 1")
@@ -326,7 +389,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print(json.dumps({"benchmark": "decode_vs_hf", "mem_cap_gib": args.mem_cap_gib, "hf_attention": args.hf_attention,
+    print(json.dumps({"benchmark": "decode_vs_hf", "mem_cap_gib": args.mem_cap_gib, "hf_variants": args.hf_variants,
+                      "threads": args.threads, "repeats": args.repeats, "rounds": args.rounds,
                       "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}), flush=True)
     if args.prompt_lens or args.exact_check_len:
         with tempfile.TemporaryDirectory(prefix="decode_vs_hf_") as weights_dir:

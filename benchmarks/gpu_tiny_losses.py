@@ -17,7 +17,6 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.json_lines import emit

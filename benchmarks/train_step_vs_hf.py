@@ -1,20 +1,26 @@
 """Training-step and forward throughput of glm5_jax against Hugging Face `GlmMoeDsaForCausalLM`, side by side.
 
 Both frameworks get the same weights (glm5_jax's init, exported through `glm5_jax.convert.hf`) and the same
-token batches, fp32, MTP off (HF has none). Measured in one process, after warm-up, as the median of
-`--steps` timed steps, glm5_jax and HF steps interleaved:
-  train    glm5_jax: the jitted `make_train_step` (AdamW, clip 1.0, bias update, metrics);
+token batches, fp32, MTP off (HF has none). Measured in one process pinned to --threads CPUs (benchmarks/
+cpu_limit.py: XLA's thread pools follow the CPU affinity; torch gets that many threads), after the same warm-up
+for every side, as the median of `--steps` timed steps per side, with the min and max beside it. The sides take
+turns step by step, in ABBA order (glm5_jax, HF variants, then backwards), so drifting load falls on all alike.
+Each --hf-variants entry (benchmarks/hf_variants.py: `eager`, HF's default, and `sdpa`, torch's fused attention;
+with `_checkpointed`, HF's gradient checkpointing in the train phase) is its own model and its own column:
+  train    glm5_jax: the jitted `make_train_step` (AdamW, clip 1.0, bias update, metrics; the config's
+           remat policy, `none`);
            HF: model.train(), loss.backward(), clip_grad_norm_(1.0), torch.optim.AdamW.step()
   forward  the mean next-token loss without gradients (glm5_jax: jitted forward + chunked cross-entropy;
-           HF: torch.no_grad() forward with labels)
-One JSON line per (config, phase) with both tokens/s and `ratio` = glm5_jax / HF; the first-step losses of
-both are printed too, as a check that the two models really hold the same weights. Each line also carries
+           HF: model.eval(), torch.no_grad() forward with labels)
+One JSON line per (config, phase) with every side's tokens/s and `ratio` = glm5_jax / each HF variant; the
+first-step losses are printed too, as a check that the models really hold the same weights. Each line also carries
 both sides' model FLOP/s (analytic FLOPs per token from `glm5_jax.model.flops`, the same count for both)
 against the fp32 matmul peak of jax and of torch measured in the same run, and `ratio_ceiling`: the ratio
 glm5_jax would reach at 100% of the jax peak, i.e. the most any implementation could gain on this machine
 over the reference at its measured speed.
 
-  PYTHONPATH=. python benchmarks/train_step_vs_hf.py [--configs tiny small] [--steps 5] [--threads 2]
+  PYTHONPATH=. python benchmarks/train_step_vs_hf.py [--configs tiny small] [--steps 5] [--threads 2] \
+      [--hf-variants eager sdpa]
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cpu_limit import limit_cpus
 from benchmarks.peak import matmul_peak_flops, torch_matmul_peak_flops
+from benchmarks.repeats import spread_of
 from glm5_jax.config import ModelConfig, TrainConfig
 from glm5_jax.model import flops
 from glm5_jax.model.transformer import forward, init
@@ -69,11 +76,14 @@ def lm_batch(tokens: np.ndarray) -> dict:
 
 
 def timed_interleaved(runs: tuple, inputs: list, warmup: int) -> tuple[list[list[float]], list]:
-    """Run each fn on each input in turn (a, b, a, b, ...), so drifting background load hits both sides
-    alike; return per fn the wall times of the runs after `warmup`, and per fn its first result."""
+    """Run each fn on each input in turn, forwards on even inputs and backwards on odd ones (a, b, b, a, ...),
+    so drifting background load hits every side alike; return per fn the wall times of the runs after
+    `warmup`, and per fn its first result."""
     times, firsts = [[] for _ in runs], [None for _ in runs]
     for i, x in enumerate(inputs):
-        for k, fn in enumerate(runs):
+        order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+        for k in order:
+            fn = runs[k]
             start = time.perf_counter()
             out = fn(x)
             elapsed = time.perf_counter() - start
@@ -113,27 +123,31 @@ def jax_forward_runner(params, config: ModelConfig):
     return lambda tokens: float(jax.block_until_ready(loss_fn(params, lm_batch(tokens))))
 
 
-def hf_model(params, config: ModelConfig):
+def hf_model(params, config: ModelConfig, variant: str = "eager"):
+    """GlmMoeDsaForCausalLM holding `params`, set up as the HF variant says (benchmarks/hf_variants.py)."""
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+    from benchmarks.hf_variants import HF_VARIANTS, enable_checkpointing
     from glm5_jax.convert.hf import hf_config_dict, to_hf_state_dict
 
+    attention, checkpointed = HF_VARIANTS[variant]
     kwargs = {k: v for k, v in hf_config_dict(config).items() if k not in ("architectures", "model_type",
                                                                           "torch_dtype")}
     hf_config = GlmMoeDsaConfig(**kwargs)
-    hf_config._attn_implementation = "eager"
+    hf_config._attn_implementation = attention
     model = GlmMoeDsaForCausalLM(hf_config)
     state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in
              to_hf_state_dict(params, config, fused_experts=True, include_mtp=False).items()}
     model.load_state_dict(state, strict=True)
+    if checkpointed:
+        enable_checkpointing(model)
     return model
 
 
 def hf_train_runner(model):
     import torch
 
-    model.train()
     # Same groups as glm5_jax's AdamW: no decay on norms (1-D leaves); the correction bias is a buffer.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -142,6 +156,7 @@ def hf_train_runner(model):
                                   lr=OPTIM.lr, betas=(OPTIM.b1, OPTIM.b2), eps=OPTIM.eps)
 
     def run(tokens):
+        model.train()  # the forward phase's runner shares this model and sets eval mode
         ids = torch.from_numpy(tokens).long()
         loss = model(input_ids=ids, labels=ids).loss
         optimizer.zero_grad(set_to_none=True)
@@ -157,6 +172,7 @@ def hf_forward_runner(model):
     import torch
 
     def run(tokens):
+        model.eval()  # forward only: no dropout, no training-only branches
         ids = torch.from_numpy(tokens).long()
         with torch.no_grad():
             return float(model(input_ids=ids, labels=ids).loss)
@@ -168,26 +184,33 @@ def measure_peaks(repeats: int = 5, size: int = 2048) -> dict:
     return {"jax": matmul_peak_flops(size, repeats), "torch": torch_matmul_peak_flops(size, repeats)}
 
 
-def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, warmup: int, seed: int) -> list[dict]:
+def side_figures(times: list[float], tokens: int, first_loss: float) -> dict:
+    step = spread_of(times)
+    return {"tokens_per_s": round(tokens / step["median_s"], 1), "step_ms": round(1e3 * step["median_s"], 1),
+            "step_ms_min": round(1e3 * step["min_s"], 1), "step_ms_max": round(1e3 * step["max_s"], 1),
+            "timed_steps": step["repeats"], "first_loss": round(first_loss, 5)}
+
+
+def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, warmup: int, seed: int,
+            hf_variants: list[str]) -> list[dict]:
     params = jax.device_get(init(config, jax.random.key(seed)))
     inputs = token_batches(config, batch, seq, warmup + steps, seed + 1)
-    model = hf_model(params, config)
+    models = {variant: hf_model(params, config, variant) for variant in hf_variants}
     runners = {
-        "forward": (jax_forward_runner(params, config), hf_forward_runner(model)),
-        "train": (jax_train_runner(params, config, batch, seq), hf_train_runner(model)),
+        "forward": (jax_forward_runner(params, config), *(hf_forward_runner(m) for m in models.values())),
+        "train": (jax_train_runner(params, config, batch, seq), *(hf_train_runner(m) for m in models.values())),
     }
     rows = []
     peaks = measure_peaks()
-    for phase, (jax_run, hf_run) in runners.items():
-        (jax_times, hf_times), (jax_loss, hf_loss) = timed_interleaved((jax_run, hf_run), inputs, warmup)
-        tokens = batch * seq
-        jax_tps, hf_tps = tokens / statistics.median(jax_times), tokens / statistics.median(hf_times)
+    for phase, runs in runners.items():
+        times, first_losses = timed_interleaved(runs, inputs, warmup)
+        sides = [side_figures(t, batch * seq, loss) for t, loss in zip(times, first_losses)]
+        jax_side, hf_sides = sides[0], dict(zip(hf_variants, sides[1:]))
         rows.append({
             "benchmark": "train_step_vs_hf", "config": name, "phase": phase, "batch": batch, "seq": seq,
-            "steps": steps, "glm5_jax_tokens_per_s": round(jax_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
-            "ratio": round(jax_tps / hf_tps, 3), "glm5_jax_step_ms": round(1e3 * statistics.median(jax_times), 1),
-            "hf_step_ms": round(1e3 * statistics.median(hf_times), 1), "first_loss_glm5_jax": round(jax_loss, 5),
-            "first_loss_hf": round(hf_loss, 5), "hf_experts_impl": str(model.config._experts_implementation),
+            "steps": steps, "warmup": warmup, "glm5_jax": jax_side, "hf": hf_sides,
+            "ratio": {v: round(jax_side["tokens_per_s"] / hf["tokens_per_s"], 3) for v, hf in hf_sides.items()},
+            "hf_experts_impl": str(next(iter(models.values())).config._experts_implementation),
         })
     # Peaks before and after the timed steps, best of both: background load lowers everything alike.
     later = measure_peaks()
@@ -195,13 +218,13 @@ def measure(name: str, config: ModelConfig, batch: int, seq: int, steps: int, wa
     for row in rows:
         per_token = (flops.training_flops_per_token if row["phase"] == "train" else flops.forward_flops_per_token)(
             config, seq, mtp_steps=0)
-        jax_flops, hf_flops = per_token * row["glm5_jax_tokens_per_s"], per_token * row["hf_tokens_per_s"]
-        row.update({
-            "model_mflop_per_token": round(per_token / 1e6, 2),
-            "jax_peak_gflops": round(peaks["jax"] / 1e9, 1), "torch_peak_gflops": round(peaks["torch"] / 1e9, 1),
-            "glm5_jax_mfu": round(jax_flops / peaks["jax"], 4), "hf_mfu": round(hf_flops / peaks["torch"], 4),
-            "ratio_ceiling": round(peaks["jax"] / hf_flops, 2),
-        })
+        row.update({"model_mflop_per_token": round(per_token / 1e6, 2),
+                    "jax_peak_gflops": round(peaks["jax"] / 1e9, 1),
+                    "torch_peak_gflops": round(peaks["torch"] / 1e9, 1)})
+        row["glm5_jax"]["mfu"] = round(per_token * row["glm5_jax"]["tokens_per_s"] / peaks["jax"], 4)
+        for hf in row["hf"].values():
+            hf["mfu"] = round(per_token * hf["tokens_per_s"] / peaks["torch"], 4)
+            hf["ratio_ceiling"] = round(peaks["jax"] / (per_token * hf["tokens_per_s"]), 2)
     return rows
 
 
@@ -212,7 +235,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=min(2, len(os.sched_getaffinity(0))),
+                        help="CPUs this process (XLA and torch alike) is pinned to, and torch's intra-op threads")
+    parser.add_argument("--hf-variants", nargs="+", default=["eager", "sdpa"],
+                        choices=("eager", "sdpa", "eager_checkpointed", "sdpa_checkpointed"),
+                        help="HF settings, each its own model and column (benchmarks/hf_variants.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-backend", default=None, choices=("auto", "dense", "sparse"),
                         help="override the glm5_jax attention backend (default: the config's, 'auto')")
@@ -222,15 +249,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field in ("batch", "seq", "steps", "warmup", "threads"):
         if getattr(args, field) < 1:
             parser.error(f"--{field}={getattr(args, field)} is invalid: must be >= 1")
+    if args.threads > len(os.sched_getaffinity(0)):
+        parser.error(f"--threads={args.threads} is invalid: this process may use {len(os.sched_getaffinity(0))} CPUs")
+    if len(set(args.hf_variants)) != len(args.hf_variants):
+        parser.error(f"--hf-variants={args.hf_variants} is invalid: name each variant once")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    cpus = limit_cpus(args.threads)  # before jax starts its CPU backend (its first use, below)
     import torch
 
     torch.set_num_threads(args.threads)
-    versions = {"jax": jax.__version__, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    versions = {"jax": jax.__version__, "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpus": cpus,
                 "backend": jax.default_backend()}
     import transformers
 
@@ -242,7 +274,7 @@ def main(argv=None) -> None:
             config = dataclasses.replace(config, attention_backend=args.attention_backend)
         if args.no_scan_layers:
             config = dataclasses.replace(config, scan_layers=False)
-        for row in measure(name, config, args.batch, args.seq, args.steps, args.warmup, args.seed):
+        for row in measure(name, config, args.batch, args.seq, args.steps, args.warmup, args.seed, args.hf_variants):
             row["attention_backend"] = config.attention_backend
             row["scan_layers"] = config.scan_layers
             print(json.dumps(row), flush=True)

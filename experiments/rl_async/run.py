@@ -1,8 +1,10 @@
 """Run the asynchronous RL experiment: one SFT, then every variant of config.yaml from the SFT weights.
 
-    python experiments/rl_async/run.py [--config experiments/rl_async/config.yaml] [section.key=value ...]
+    python experiments/rl_async/run.py [--config experiments/rl_async/config.yaml] [--out DIR] [section.key=value ...]
 
-Writes results/<variant>.jsonl (one JSON line per trainer step) and results/summary.json.
+Writes DIR/<variant>.jsonl (one JSON line per trainer step) and DIR/summary.json. async.seed=<n> sets every
+random draw of the run: the initial weights, the SFT batches, the worker's prompts and sampling keys, and the
+held-out prompts (run.sh runs one seed per DIR=results/seed_<n>/).
 """
 
 from __future__ import annotations
@@ -50,11 +52,16 @@ def _summary(rows: list[dict], window: int = 10) -> dict:
     }
 
 
+def initial_params(model: ModelConfig, config: AsyncRLConfig):
+    """The weights SFT starts from: drawn from async.seed."""
+    return init(model, jax.random.key(config.seed))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(HERE / "config.yaml"))
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--out", default=str(HERE / "results" / "seed_0"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     base = apply_overrides(load_yaml(args.config), args.overrides)
@@ -66,7 +73,7 @@ def main(argv=None) -> int:
 
     model, task, _, _, _, async_config = _sections(base)
     start = time.perf_counter()
-    params = init(model, jax.random.key(async_config.seed))
+    params = initial_params(model, async_config)
     params, sft_loss = sft(params, model, task, async_config)
     eval_prompts = task.prompts(np.random.default_rng(async_config.seed + 3), async_config.eval_prompts)
     summary = {"sft": {"steps": async_config.sft_steps, "final_loss": sft_loss,

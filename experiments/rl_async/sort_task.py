@@ -4,6 +4,7 @@ steps that teach its format before RL."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -65,6 +66,13 @@ class SortTask:
                 "segment_ids": np.ones_like(tokens), "loss_mask": loss_mask}
 
 
+def sft_batches(task: SortTask, config: AsyncRLConfig) -> Iterator[dict[str, np.ndarray]]:
+    """The SFT steps' batches, in order; their prompts come from async.seed (offset from the worker's prompts)."""
+    rng = np.random.default_rng(config.seed + 1)
+    for _ in range(config.sft_steps):
+        yield task.sft_batch(rng, config.sft_batch_size)
+
+
 def sft(params, model_config: ModelConfig, task: SortTask, config: AsyncRLConfig):
     """A few supervised steps on prompt -> sorted answer (AdamW, constant LR); returns (params, last loss)."""
     if config.sft_steps == 0:
@@ -75,9 +83,8 @@ def sft(params, model_config: ModelConfig, task: SortTask, config: AsyncRLConfig
     optimizer = make_optimizer(optim, params, config=model_config)
     step = make_train_step(model_config, train, optimizer)
     state = init_train_state(copy_tree(params), optimizer)
-    rng = np.random.default_rng(config.seed + 1)
     loss = None
-    for _ in range(config.sft_steps):
-        state, metrics = step(state, task.sft_batch(rng, config.sft_batch_size))
+    for batch in sft_batches(task, config):
+        state, metrics = step(state, batch)
         loss = float(metrics["loss"])
     return state.params, loss

@@ -58,12 +58,13 @@ def main(argv=None) -> None:
 
     from benchmarks.decode_vs_hf import model_config, random_prompts
     from benchmarks.hf_reference import export_weights, load_model
-    from glm5_jax.model.transformer import init, jit_forward
+    from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward, init
 
     config = model_config(args.prompt_len)
     params = init(config, jax.random.key(args.seed))
     prompts = random_prompts(config.vocab_size, args.batch, args.prompt_len, args.seed + 1)
-    out = jit_forward(params, jnp.asarray(prompts), config=config, collect_routing=True)
+    jitted = jax.jit(forward, static_argnames=FORWARD_STATIC_ARGNAMES)
+    out = jitted(params, jnp.asarray(prompts), config=config, collect_routing=True)
     with tempfile.TemporaryDirectory() as directory:
         export_weights(jax.device_get(params), config, directory)
         model = load_model(directory, "eager", 2)

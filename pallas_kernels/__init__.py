@@ -1,6 +1,8 @@
 """Pallas kernels for DeepSeek Sparse Attention (GLM-5): sparse MLA attention (forward + backward), the
 lightning indexer's scores and top-k, and the indexer KL targets. Each has a jnp reference of the same
-signature in `pallas_kernels.reference`. See README.md in this folder for memory bounds and tie-breaking.
+signature in `pallas_kernels.reference`; the attention's and the indexer's are the jnp code the model runs
+without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`; `masks` says which
+keys a query sees). See README.md in this folder for memory bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward.
 """
 

@@ -1,8 +1,12 @@
 """Plain-jnp references of the DSA kernels, with the kernels' signatures so either can be swapped in.
 
-They materialise what the kernels avoid ([B, S, N, C+R] gathered rows, [B, S, I, T] / [B, H, S, T]
-score tensors), so use them for tests, the `sparse` attention backend and small shapes. Block sizes,
-chunk sizes and `interpret` are accepted for drop-in compatibility and have no effect here.
+The sparse MLA attention and the indexer's scores and top-k are the same jnp code the model runs when it runs
+no kernel (`sparse_latent.py`, `chunked_topk.py`: one implementation per operation); here they compute at
+HIGHEST matmul precision, the model at the backend's default. The KL targets' references exist for the kernels
+only: the model's jnp path takes its targets from its attention's own probabilities. They materialise what the
+kernels avoid ([B, S, N, C+R] gathered rows, [B, S, I, T] / [B, H, S, T] score tensors), so use them for tests
+and small shapes. Block sizes, chunk sizes and `interpret` are accepted for drop-in compatibility and have no
+effect here.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NEG_INF, positions_and_segments
+from pallas_kernels.sparse_latent import sparse_latent_attention
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -35,41 +40,45 @@ def _gather_selected(latent: jax.Array, indices: jax.Array):
     return jnp.where(valid[..., None], rows, 0), valid
 
 
-def sparse_mla_attention_reference(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
+def sparse_mla_attention_reference(q, latent, indices, *, scale, kv_lora_rank, precision=HIGHEST, block_n=64,
                                    bwd_query_chunk=256, interpret=None):
-    """softmax(scale * q.k over the valid selected rows) @ v; returns (out [B,S,H,C] q.dtype, lse fp32)."""
-    rows, valid = _gather_selected(latent, indices)
-    logits = jnp.einsum("BSHX,BSNX->BSHN", q.astype(jnp.float32), rows.astype(jnp.float32),
-                        precision=HIGHEST) * scale
-    p, lse = _safe_softmax_stats(logits, valid[:, :, None, :])
-    out = jnp.einsum("BSHN,BSNC->BSHC", p, rows[..., :kv_lora_rank].astype(jnp.float32), precision=HIGHEST)
-    return out.astype(q.dtype), lse
+    """softmax(scale * q.k over the valid selected rows) @ v; returns (out [B,S,H,C] q.dtype, lse fp32).
+    An index outside [0, T) is an unused slot."""
+    in_range = jnp.where(indices < latent.shape[1], indices, -1)
+    out, lse, _ = sparse_latent_attention(q, latent, in_range, scale, kv_lora_rank, precision=precision)
+    return out, lse
 
 
 def indexer_scores_reference(q_index, k_index, weights, *, q_segment_ids=None, k_segment_ids=None,
-                             q_offset=0, block_t=64, bwd_query_chunk=64, interpret=None):
+                             q_offset=0, precision=HIGHEST, block_t=64, bwd_query_chunk=64, interpret=None):
     """I[s,t] = sum_i w[s,i] relu(q[s,i].k[t] J^-0.5) in fp32; invisible keys get NEG_INF. [B, S, T]."""
     batch, q_len, _, head_dim = q_index.shape
     k_len = k_index.shape[1]
     logits = jnp.einsum("BSIJ,BTJ->BSIT", q_index.astype(jnp.float32), k_index.astype(jnp.float32),
-                        precision=HIGHEST) * head_dim**-0.5
-    scores = jnp.einsum("BSI,BSIT->BST", weights.astype(jnp.float32), jax.nn.relu(logits), precision=HIGHEST)
+                        precision=precision) * head_dim**-0.5
+    scores = jnp.einsum("BSI,BSIT->BST", weights.astype(jnp.float32), jax.nn.relu(logits), precision=precision)
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     visible = (jnp.arange(k_len)[None, None, :] <= q_pos[None, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
     return jnp.where(visible, scores, NEG_INF)
 
 
+def topk_with_scores(scores: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """The top-k rule: (int32 key indices [B, S, min(topk, T)], their scores), slots that landed on invisible
+    (NEG_INF) keys -1. Among equal scores `lax.top_k` takes the lowest key index first."""
+    values, indices = lax.top_k(scores, min(topk, scores.shape[-1]))
+    return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32), values
+
+
+def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
+    """The key indices of `topk_with_scores`."""
+    return topk_with_scores(scores, topk)[0]
+
+
 def indexer_topk_reference(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segment_ids=None,
                            q_offset=0, query_chunk=256, block_t=64, interpret=None):
-    """jax.lax.top_k over the full reference score matrix; slots on invisible keys become -1."""
-    scores = indexer_scores_reference(q_index, k_index, weights, q_segment_ids=q_segment_ids,
-                                      k_segment_ids=k_segment_ids, q_offset=q_offset)
-    values, indices = lax.top_k(scores, min(topk, scores.shape[-1]))
-    batch, q_len, k_len = scores.shape
-    q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
-    visible = (indices <= q_pos[None, :, None]) & (jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
-                                                   == q_seg[:, :, None])
-    return jnp.where(visible, indices, -1).astype(jnp.int32), values
+    """The top-k rule over the full reference score matrix: (indices [B, S, N] int32, their scores)."""
+    return topk_with_scores(indexer_scores_reference(q_index, k_index, weights, q_segment_ids=q_segment_ids,
+                                                     k_segment_ids=k_segment_ids, q_offset=q_offset), topk)
 
 
 def _l1_normalise(p: jax.Array) -> jax.Array:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.kv_cache import KVCache, LayerCache
-from glm5_jax.model.transformer import forward, layer_context, merge
+from glm5_jax.model.context import layer_context
+from glm5_jax.model.transformer import forward, merge
 
 
 def init_cache(num_layers: int, num_index_layers: int, batch: int, max_len: int, config: ModelConfig,
@@ -65,6 +66,5 @@ def run_mtp_cached(params, cache: KVCache, tokens: jax.Array, h_prev: jax.Array,
     [B, S, D] to feed the next depth, its shared_head_norm [B, S, D] that the LM head reads, cache)."""
     model = merge(params, config)
     ctx = layer_context(positions, token_mask.astype(jnp.int32), config)
-    h, normed, out = model.mtp.step(model.embed["embedding"], tokens, h_prev, ctx, config,
-                                    cache=LayerCache(cache, 0, 0, positions))
+    h, normed, out = model.mtp.step(model.embed, tokens, h_prev, ctx, cache=LayerCache(cache, 0, 0, positions))
     return h, normed, out.cache.kv

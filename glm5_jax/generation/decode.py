@@ -27,7 +27,7 @@ from glm5_jax.generation.cache import CachedOutput, KVCache, model_cache, num_se
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (SamplingParams, SamplingValues, is_eos, recorded_logprobs, sample_tokens,
                                           split_sampling)
-from glm5_jax.model.transformer import dtype_of, lm_head_logits
+from glm5_jax.model.transformer import dtype_of, head_logits
 
 
 class Emitted(NamedTuple):
@@ -132,7 +132,7 @@ def prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: ja
     cache = model_cache(config, b, max_len, dtype_of(config.compute_dtype))
     result = run_cached(params, cache, prompts, positions, real, config, collect_routing)
     last = jnp.take_along_axis(result.hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
-    logits = lm_head_logits(params, last)
+    logits = head_logits(params["lm_head"]["kernel"], last)
     key, sample_key = jax.random.split(key)
     token = sample_tokens(sample_key, logits[:, 0], values, nucleus)
     logprob = recorded_logprobs(last, params["lm_head"]["kernel"], token[:, None], values)
@@ -151,7 +151,7 @@ def decode_step(params: dict, state: DecodeState, values: SamplingValues, *, con
     positions = state.length[:, None]
     result = run_cached(params, state.cache, state.next_token[:, None], positions, active[:, None], config,
                         state.routing is not None)
-    logits = lm_head_logits(params, result.hidden)
+    logits = head_logits(params["lm_head"]["kernel"], result.hidden)
     key, sample_key = jax.random.split(state.key)
     token = sample_tokens(sample_key, logits[:, 0], values, nucleus)
     logprob = recorded_logprobs(result.hidden, params["lm_head"]["kernel"], token[:, None], values)

@@ -39,7 +39,7 @@ from glm5_jax.generation.decode import (DecodeState, GenerationOutput, emit, hos
 from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (GenerationError, SamplingParams, SamplingValues, recorded_logprobs,
                                           sample_tokens, sampling_probs, split_sampling)
-from glm5_jax.model.transformer import dtype_of, lm_head_logits
+from glm5_jax.model.transformer import dtype_of, head_logits
 
 
 class SpeculativeState(NamedTuple):
@@ -95,7 +95,7 @@ def _extend_mtp(params: dict, cache: KVCache, tokens: jax.Array, hidden: jax.Arr
     raw, normed, cache = run_mtp_cached(params, cache, tokens, hidden, positions, real, config)
     last = (count - 1)[:, None, None]
     raw_last = jnp.take_along_axis(raw, last, axis=1)[:, 0]
-    logits = lm_head_logits(params, jnp.take_along_axis(normed, last, axis=1))[:, 0]
+    logits = head_logits(params["lm_head"]["kernel"], jnp.take_along_axis(normed, last, axis=1))[:, 0]
     return cache, raw_last, logits
 
 
@@ -135,14 +135,14 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
         if depth + 1 < num_draft:
             raw, normed, cache = run_mtp_cached(params, cache, token[:, None], hidden[:, None], (n + depth)[:, None],
                                                 active[:, None], config)
-            hidden, logits = raw[:, 0], lm_head_logits(params, normed)[:, 0]
+            hidden, logits = raw[:, 0], head_logits(params["lm_head"]["kernel"], normed)[:, 0]
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
 
     fed = jnp.concatenate([decode.next_token[:, None], drafts], axis=1)  # [B, K + 1]
     positions = n[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
     verify = run_cached(params, decode.cache, fed, positions, jnp.broadcast_to(active[:, None], fed.shape), config,
                         decode.routing is not None)
-    target_logits = lm_head_logits(params, verify.hidden)
+    target_logits = head_logits(params["lm_head"]["kernel"], verify.hidden)
     accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits,
                                          values, nucleus)
     index = jnp.arange(num_draft + 1)[None, :]

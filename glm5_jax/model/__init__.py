@@ -1,4 +1,6 @@
-"""The GLM-5 model as pure functions over a parameter pytree.
+"""The GLM-5 model: Flax NNX modules that own their computation (`transformer.GLM5` and its layers), and
+`transformer.forward`, the one pure function over the model's state (for jit, optax and orbax). The heavy
+operations (sparse attention, indexer top-k, grouped matmul) are the ops layer's (`glm5_jax.ops`).
 
 Einsum dimension letters used throughout the package:
   B batch, S query length, T key length, D model width, H attention heads, K head dim (qk),

@@ -2,9 +2,9 @@
 sort-by-expert dispatch with grouped matmuls (`ragged`). Expert parallelism (`expert_parallel`) runs the same
 grouped matmuls on each device's share of the experts.
 
-The one place the grouped matmuls are chosen: `grouped_swiglu` runs `pallas_kernels.grouped_matmul` for the
-platform compiled for (megablox kernels on TPU, Triton kernels on GPU, `ragged_dot` on CPU, where the model
-itself uses the blocked layout of `blocked_experts` instead)."""
+`grouped_swiglu` runs the ops layer's grouped matmul (`glm5_jax.ops.grouped_matmul`: megablox kernels on TPU,
+Triton kernels on GPU, `ragged_dot` on CPU, where the model itself uses the blocked layout of `blocked_experts`
+instead)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.blocked_experts import experts_blocked
-from pallas_kernels.grouped_matmul import grouped_matmul
+from glm5_jax.ops.grouped_matmul import grouped_matmul
+from glm5_jax.ops.platform import compiled_platform
 
 
 def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
@@ -28,22 +29,13 @@ def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weight
     return jnp.einsum("TED,TE->TD", out, dense_weights.astype(dtype))
 
 
-def compiled_platform(platform: str | None) -> str:
-    """`platform` if given; else that of the mesh being traced under (inside `shard_map` it names the devices
-    compiled for, such as a TPU pod described on a CPU host), else the default backend."""
-    if platform is not None:
-        return platform
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
                    platform: str | None = None) -> jax.Array:
     """SwiGLU of rows already sorted by expert; `group_sizes` int32 [E] rows per expert; rows past their sum
-    give zeros. Grouped matmuls for `platform` (see `compiled_platform`)."""
+    give zeros. Grouped matmuls for `platform` (see `glm5_jax.ops.platform.compiled_platform`)."""
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
-    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform=platform)  # noqa: E731
+    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform)  # noqa: E731
     gate = checkpoint_name(matmul(x_sorted, experts["gate_proj"]), "expert_gate")  # remat "full_keep_experts"
     up = checkpoint_name(matmul(x_sorted, experts["up_proj"]), "expert_up")
     return matmul(jax.nn.silu(gate) * up, experts["down_proj"])

@@ -1,39 +1,33 @@
-"""The DSA lightning indexer: per-query scores over causal keys and a deterministic top-k.
-
-I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
-negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
-
-Tie-break rule: `jax.lax.top_k` returns, among equal scores, the lowest key index first. ReLU makes many
-scores exactly 0, so which of several tied keys fills the last slot follows that rule (torch.topk on CPU
-breaks such ties differently; parity tests use tie-free cases).
-"""
+"""The DSA lightning indexer: one per "full" layer ("shared" layers reuse the previous top-k). It builds its
+queries and keys (`Indexer.__call__`) and selects the top-k keys of each query over the whole sequence
+(`topk`) or over a decoding cache (`topk_over_cache`); the scores and the selection themselves are the ops
+layer's (`glm5_jax.ops.indexer_select`; the jnp path and its tie-breaking in `pallas_kernels.chunked_topk`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved, layer_norm
-from glm5_jax.model.variables import ParamModule
-from glm5_jax.model.masks import visible_keys
-from glm5_jax.model.query_chunks import map_query_chunks, num_query_chunks
+from glm5_jax.model.context import LayerContext
+from glm5_jax.model.kv_cache import LayerCache, visible_slots, write_rows
+from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved
+from glm5_jax.ops.indexer_select import indexer_topk
 from pallas_kernels import NEG_INF
+from pallas_kernels.chunked_topk import index_scores
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.reference import topk_from_scores
 
 INDEXER_NORM_EPS = 1e-6
 
 
-class Indexer(ParamModule):
-    """The lightning indexer's weights (one per "full" layer; "shared" layers reuse the previous top-k)."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
-        std = config.initializer_range
-        q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
-        self.wq_b = Linear((q, i, j), ("q_lora", "index_heads", "index_head_dim"), rngs, std, dtype)
-        self.wk = Linear((d, j), ("embed", "index_head_dim"), rngs, std, dtype)
-        self.k_norm = Scale(j, dtype, bias=True)
-        self.weights_proj = Linear((d, i), ("embed", "index_heads"), rngs, std, dtype)
+class IndexerInputs(NamedTuple):
+    queries: jax.Array   # [B, S, I, J] roped
+    weights: jax.Array   # [B, S, I] fp32 head weights, already scaled by I^-0.5
+    keys: jax.Array      # [B, T, J] roped, LayerNorm-ed; one key head shared by all indexer heads
 
 
 def _rope_prefix(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, interleaved: bool) -> jax.Array:
@@ -41,75 +35,56 @@ def _rope_prefix(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int, 
     return jnp.concatenate([rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], axis=-1)
 
 
-def indexer_queries(params: dict, q_resid: jax.Array, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                    config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Roped indexer queries [B, S, I, J] and fp32 head weights [B, S, I] (already scaled by I^-0.5)."""
-    q = jnp.einsum("BSQ,QIJ->BSIJ", q_resid, params["wq_b"]["kernel"].astype(q_resid.dtype))
-    q = _rope_prefix(q, cos, sin, config.qk_rope_head_dim, config.indexer_rope_interleaved)
-    weights = jnp.einsum("BSD,DI->BSI", x.astype(jnp.float32), params["weights_proj"]["kernel"].astype(jnp.float32))
-    return q, weights * config.index_n_heads**-0.5
+class Indexer(nnx.Module):
+    """The lightning indexer: queries from the attention's query latent, one key head from the hidden state."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        self.config = config  # static: part of the graph definition, not of the state
+        std = config.initializer_range
+        q, d, i, j = config.q_lora_rank, config.hidden_size, config.index_n_heads, config.index_head_dim
+        self.wq_b = Linear((q, i, j), ("q_lora", "index_heads", "index_head_dim"), rngs, std, dtype)
+        self.wk = Linear((d, j), ("embed", "index_head_dim"), rngs, std, dtype)
+        self.k_norm = Scale(j, dtype, bias=True)
+        self.weights_proj = Linear((d, i), ("embed", "index_heads"), rngs, std, dtype)
+
+    def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> IndexerInputs:
+        """Queries, head weights and keys for the input-normed hidden state x [B, S, D] and the attention's
+        query latent q_resid [B, S, Q]."""
+        config = self.config
+        rotary, interleaved = config.qk_rope_head_dim, config.indexer_rope_interleaved
+        q = jnp.einsum("BSQ,QIJ->BSIJ", q_resid, self.wq_b.weight(q_resid.dtype))
+        q = _rope_prefix(q, cos, sin, rotary, interleaved)
+        weights = jnp.einsum("BSD,DI->BSI", x.astype(jnp.float32), self.weights_proj.weight(jnp.float32))
+        k = jnp.einsum("BTD,DJ->BTJ", x, self.wk.weight(x.dtype))
+        k = self.k_norm.layer_norm(k, INDEXER_NORM_EPS)
+        return IndexerInputs(q, weights * config.index_n_heads**-0.5, _rope_prefix(k, cos, sin, rotary, interleaved))
+
+    def topk(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext, mesh=None) -> jax.Array:
+        """The top-k keys of each query among the visible ones of the sequence: int32 [B, S, N] (-1 = unused)."""
+        q, weights, keys = self(x, q_resid, ctx.cos, ctx.sin)
+        return indexer_topk(q, keys, weights, ctx.segment_ids, config=self.config, mesh=mesh)
+
+    def topk_over_cache(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext,
+                        cache: LayerCache) -> tuple[jax.Array, jax.Array]:
+        """Write this layer's keys into the cache, score the new queries against every cached key up to their
+        position, keep the top-k. Returns (top-k [B, S, N], the new index-key cache). With `index_query_chunk`
+        a long prefill holds one [B, chunk, T] score block at a time."""
+        q, weights, keys = self(x, q_resid, ctx.cos, ctx.sin)
+        index_keys = write_rows(cache.kv.index_keys, cache.index_slot, keys, cache.positions)
+        cached_keys = index_keys[cache.index_slot]
+        topk = map_query_chunks(
+            lambda q_c, w_c, pos_c: _topk_over_cache(q_c, w_c, pos_c, cached_keys, self.config.index_topk),
+            num_query_chunks(q.shape[1], self.config.index_query_chunk), q, weights, cache.positions)
+        return topk, index_keys
 
 
-def indexer_keys(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, config: ModelConfig) -> jax.Array:
-    """Roped, LayerNorm-ed indexer keys [B, T, J]: one key head shared by all indexer heads."""
-    k = jnp.einsum("BTD,DJ->BTJ", x, params["wk"]["kernel"].astype(x.dtype))
-    k = layer_norm(k, params["k_norm"]["scale"], params["k_norm"]["bias"], INDEXER_NORM_EPS)
-    return _rope_prefix(k, cos, sin, config.qk_rope_head_dim, config.indexer_rope_interleaved)
-
-
-def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
-                 k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
-    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF)."""
-    head_dim = q.shape[-1]
-    logits = jnp.einsum("BSIJ,BTJ->BSIT", q.astype(jnp.float32), k.astype(jnp.float32)) * head_dim**-0.5
-    scores = jnp.einsum("BSI,BSIT->BST", weights, jax.nn.relu(logits))
-    return jnp.where(visible_keys(q_segment_ids, k_segment_ids, q_offset), scores, NEG_INF)
-
-
-def topk_from_scores(scores: jax.Array, topk: int) -> jax.Array:
-    """int32 [B, S, min(topk, T)] key indices; slots that landed on invisible keys are -1."""
-    n = min(topk, scores.shape[-1])
-    values, indices = jax.lax.top_k(scores, n)
-    return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32)
-
-
-# Causal key bands: with q_offset 0 and as many keys as queries, the query blocks are grouped into up to this many
-# bands, each scoring only the keys up to its last query (static slices), which skips most of the masked half.
-MAX_CAUSAL_BANDS = 8
-
-
-def _causal_bands(n_chunks: int) -> int:
-    """The largest divisor of n_chunks that is <= MAX_CAUSAL_BANDS."""
-    return max(b for b in range(1, min(n_chunks, MAX_CAUSAL_BANDS) + 1) if n_chunks % b == 0)
-
-
-def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
-                k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
-                query_chunk: int = 0) -> jax.Array:
-    """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
-    exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
-    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work."""
-    n_chunks = num_query_chunks(q.shape[1], query_chunk)
-    if n_chunks == 1:
-        return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
-    chunk_len = q.shape[1] // n_chunks
-    width = min(topk, k.shape[1])
-
-    def blocks_over(keys, key_segments, q_, w_, seg_, first):
-        def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
-            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + rows_c[0, 0]),
-                                      topk)
-            return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
-
-        rows = first + jnp.arange(q_.shape[1])[None]
-        return map_query_chunks(chunk, q_.shape[1] // chunk_len, q_, w_, seg_, rows)
-
-    causal_self = isinstance(q_offset, int) and q_offset == 0 and q.shape[1] == k.shape[1]
-    bands = _causal_bands(n_chunks) if causal_self else 1
-    band_len = q.shape[1] // bands
-    picked = []
-    for band in range(bands):  # static key lengths: a band's queries see no key past its last query
-        q_rows, end = slice(band * band_len, (band + 1) * band_len), (band + 1) * band_len if causal_self else None
-        picked.append(blocks_over(k[:, :end], k_segment_ids[:, :end], q[:, q_rows], weights[:, q_rows],
-                                  q_segment_ids[:, q_rows], band * band_len))
-    return jnp.concatenate(picked, axis=1)
+def _topk_over_cache(q: jax.Array, weights: jax.Array, positions: jax.Array, keys: jax.Array,
+                     topk: int) -> jax.Array:
+    """Top-k cached keys [B, S, N] for indexer queries at `positions` [B, S] (keys [B, T, J])."""
+    b, s = positions.shape
+    max_len = keys.shape[1]
+    # Causality comes from the per-row positions; the indexer's own mask (one offset for all rows) is off.
+    one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
+    scores = index_scores(q, keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
+    scores = jnp.where(visible_slots(positions, max_len), scores, NEG_INF)
+    return topk_from_scores(scores, topk)

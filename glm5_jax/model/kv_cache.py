@@ -1,7 +1,7 @@
 """The decoding cache as the decoder layer reads and writes it: only what MLA + DSA need to attend to earlier
 tokens (`glm5_jax.generation.cache` allocates it).
 
-Per layer and token it holds the 576-wide absorbed-form row [c ; k_rope] (`attention.project`'s "cache"),
+Per layer and token it holds the 576-wide absorbed-form row [c ; k_rope] (`MLA.project`'s `rows`),
 and per "full" indexer layer the indexer key k_I [J] (IndexShare "shared" layers run no indexer and store
 nothing). Slot t of a row holds the token at absolute position t: prompts are right-padded, every row keeps
 its own length, and a row's slots past its length are either garbage from padding or stale drafted tokens;

@@ -1,5 +1,5 @@
-"""Basic layers: norms, rotary embeddings, SwiGLU, embedding and projections (functions, and the NNX modules
-that hold their weights).
+"""Basic layers: norms, rotary embeddings, SwiGLU, embedding and projections (array functions, and the NNX
+modules that apply them to their own weights).
 
 Dimension letters are fixed in `glm5_jax.model.__init__`.
 """
@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm5_jax.model.variables import ParamModule, normal, param
+from glm5_jax.model.variables import normal, param
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back to x's dtype, then times scale."""
@@ -70,7 +71,7 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
     return hidden @ down.astype(dtype)
 
 
-class Scale(ParamModule):
+class Scale(nnx.Module):
     """The weight of RMSNorm ("scale"); with `bias=True` also LayerNorm's bias (the indexer's key norm)."""
 
     def __init__(self, dim: int, dtype, *, bias: bool = False):
@@ -85,14 +86,21 @@ class Scale(ParamModule):
         return layer_norm(x, self.scale[...], self.bias[...], eps)
 
 
-class Linear(ParamModule):
-    """A projection "kernel" of any shape; its first dim is the input (the einsum names the rest)."""
+class Linear(nnx.Module):
+    """A projection "kernel" of any shape; its first dim is the input (the einsum that reads it names the rest).
+    Called, a [D_in, D_out] kernel projects x [..., D_in] in x's dtype."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], rngs: nnx.Rngs, std: float, dtype):
         self.kernel = param(normal(rngs, shape, std, dtype), axes)
 
+    def weight(self, dtype) -> jax.Array:
+        return self.kernel[...].astype(dtype)
 
-class Embed(ParamModule):
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.weight(x.dtype)
+
+
+class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, std: float, dtype):
         self.embedding = param(normal(rngs, (vocab, dim), std, dtype), ("vocab", "embed"))
 
@@ -100,7 +108,7 @@ class Embed(ParamModule):
         return self.embedding[...][tokens].astype(dtype)
 
 
-class SwiGLU(ParamModule):
+class SwiGLU(nnx.Module):
     """The dense MLP and the shared expert: down(silu(x @ gate) * (x @ up))."""
 
     def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, std: float, dtype):
@@ -109,4 +117,4 @@ class SwiGLU(ParamModule):
         self.down_proj = Linear((hidden, dim), ("mlp", "embed"), rngs, std, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return swiglu(x, self.gate_proj["kernel"], self.up_proj["kernel"], self.down_proj["kernel"])
+        return swiglu(x, self.gate_proj.kernel[...], self.up_proj.kernel[...], self.down_proj.kernel[...])

@@ -19,12 +19,12 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local, mesh_platform
 from glm5_jax.model.expert_parallel import experts_ep
 from glm5_jax.model.experts import experts_ragged, experts_reference
-from glm5_jax.model.layers import Linear, SwiGLU, swiglu
-from glm5_jax.model.variables import ParamModule, normal, param, router_bias
+from glm5_jax.model.layers import Linear, SwiGLU
+from glm5_jax.model.variables import normal, param, router_bias
 
 
-class RoutedExperts(ParamModule):
-    """The E routed experts' SwiGLU weights, stacked on a leading expert dim."""
+class RoutedExperts(nnx.Module):
+    """The E routed experts' SwiGLU weights, stacked on a leading expert dim; the dispatch backends run them."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
         std = config.initializer_range
@@ -33,12 +33,17 @@ class RoutedExperts(ParamModule):
         self.up_proj = param(normal(rngs, (e, d, f), std, dtype), ("experts", "expert_embed", "expert_mlp"))
         self.down_proj = param(normal(rngs, (e, f, d), std, dtype), ("experts", "expert_mlp", "expert_embed"))
 
+    def arrays(self) -> dict[str, jax.Array]:
+        """The weights as plain arrays: the dispatch backends pass them through shard_map and tree maps."""
+        return {name: getattr(self, name)[...] for name in ("gate_proj", "up_proj", "down_proj")}
 
-class MoE(ParamModule):
+
+class MoE(nnx.Module):
     """Router (fp32 whatever the parameter dtype: its scores decide discrete choices), its correction bias,
     the routed experts and the ungated shared expert."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        self.config = config  # static: part of the graph definition, not of the state
         std = config.initializer_range
         d, e = config.hidden_size, config.n_routed_experts
         self.router = Linear((d, e), ("embed", "router_experts"), rngs, std, jnp.float32)
@@ -46,15 +51,57 @@ class MoE(ParamModule):
         self.experts = RoutedExperts(config, rngs, dtype)
         self.shared_experts = SwiGLU(d, config.moe_intermediate_size * config.n_shared_experts, rngs, std, dtype)
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
-                 expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, dict]:
-        return moe_block(self, x, token_mask, config, expert_choices, mesh)
+    def route(self, x: jax.Array, expert_choices: jax.Array | None = None,
+              mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pick experts per token. x [T, D] -> (expert ids [T, A] int32, weights [T, A] fp32, scores s [T, E]).
 
+        The correction bias only shifts *selection*; the weights are the unbiased scores, normalised and
+        scaled. `expert_choices` [T, A] replays recorded choices (routing replay): the bias is then ignored
+        entirely. The top-k runs on each device's own tokens (`batch_local`)."""
+        config = self.config
+        scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # sigmoid affinities [T, E] in fp32
+        if expert_choices is None:
+            bias = jax.lax.stop_gradient(self.e_score_correction_bias[...]).astype(jnp.float32)
+            expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,))
+        else:
+            expert_ids = expert_choices
+        expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return expert_ids, weights * config.routed_scaling_factor, scores
 
-def router_scores(params: dict, x: jax.Array) -> jax.Array:
-    """Sigmoid affinities s [T, E] in fp32."""
-    logits = x.astype(jnp.float32) @ params["router"]["kernel"].astype(jnp.float32)
-    return jax.nn.sigmoid(logits)
+    def __call__(self, x: jax.Array, token_mask: jax.Array, expert_choices: jax.Array | None = None,
+                 mesh=None) -> tuple[jax.Array, dict]:
+        """x [B, S, D] -> (output [B, S, D], aux with expert counts, balance terms and the chosen experts)."""
+        config = self.config
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
+        expert_ids, weights, scores = self.route(flat, replay, mesh)
+        experts = self.experts.arrays()
+        backend = config.moe_backend
+        if backend == "reference":
+            routed = experts_reference(experts, flat, expert_ids, weights)
+            aux_extra = {}
+        elif backend == "ragged":
+            # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
+            # does per layer), their gradients summed over the shards by shard_map's transpose.
+            platform = mesh_platform(mesh)
+            routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
+                                 (flat, expert_ids, weights), (experts,))
+            aux_extra = {}
+        else:
+            routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)
+        out = routed + self.shared_experts(flat)
+        aux = {
+            "expert_counts": expert_counts(expert_ids, token_mask.reshape(-1), config.n_routed_experts),
+            "balance_terms": sequence_balance_terms(scores.reshape(b, s, -1), expert_ids.reshape(b, s, -1),
+                                                    token_mask, config),
+            "expert_ids": expert_ids.reshape(b, s, -1),
+            **aux_extra,
+        }
+        return out.reshape(b, s, d), aux
 
 
 def choose_experts(choice: jax.Array, config: ModelConfig) -> jax.Array:
@@ -68,27 +115,6 @@ def choose_experts(choice: jax.Array, config: ModelConfig) -> jax.Array:
             jnp.arange(n_tokens)[:, None], keep_groups].set(True)
         choice = jnp.where(jnp.repeat(group_keep, grouped.shape[-1], axis=1), choice, -jnp.inf)
     return jax.lax.top_k(choice, config.num_experts_per_tok)[1].astype(jnp.int32)
-
-
-def route(params: dict, x: jax.Array, config: ModelConfig,
-          expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pick experts per token. x [T, D] -> (expert ids [T, A] int32, weights [T, A] fp32, scores s [T, E]).
-
-    The correction bias only shifts *selection*; the weights are the unbiased scores, normalised and scaled.
-    `expert_choices` [T, A] replays recorded choices (routing replay): the bias is then ignored entirely.
-    The top-k runs on each device's own tokens (`batch_local`).
-    """
-    scores = router_scores(params, x)
-    if expert_choices is None:
-        bias = jax.lax.stop_gradient(params["e_score_correction_bias"]).astype(jnp.float32)
-        expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,))
-    else:
-        expert_ids = expert_choices
-    expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
-    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    if config.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return expert_ids, weights * config.routed_scaling_factor, scores
 
 
 def expert_counts(expert_ids: jax.Array, token_mask: jax.Array, n_experts: int) -> jax.Array:
@@ -111,38 +137,3 @@ def sequence_balance_terms(scores: jax.Array, expert_ids: jax.Array, token_mask:
     normalised = scores / scores.sum(-1, keepdims=True)
     p = (normalised * mask[..., None]).sum(1) / n_real[:, None]
     return (jax.lax.stop_gradient(f) * p).sum(-1)
-
-
-def moe_block(params: dict, x: jax.Array, token_mask: jax.Array, config: ModelConfig,
-              expert_choices: jax.Array | None = None, mesh=None) -> tuple[jax.Array, dict]:
-    """x [B, S, D] -> (output [B, S, D], aux with expert counts, balance terms and the chosen experts)."""
-    b, s, d = x.shape
-    flat = x.reshape(b * s, d)
-    replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
-    expert_ids, weights, scores = route(params, flat, config, replay, mesh)
-    # Plain arrays: the dispatch backends pass them through shard_map and tree maps.
-    experts = {name: params["experts"][name] for name in ("gate_proj", "up_proj", "down_proj")}
-    backend = config.moe_backend
-    if backend == "reference":
-        routed = experts_reference(experts, flat, expert_ids, weights)
-        aux_extra = {}
-    elif backend == "ragged":
-        # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
-        # does per layer), their gradients summed over the shards by shard_map's transpose.
-        platform = mesh_platform(mesh)
-        routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
-                             (flat, expert_ids, weights), (experts,))
-        aux_extra = {}
-    else:
-        routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)
-    shared = params["shared_experts"]
-    out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
-                          shared["down_proj"]["kernel"])
-    aux = {
-        "expert_counts": expert_counts(expert_ids, token_mask.reshape(-1), config.n_routed_experts),
-        "balance_terms": sequence_balance_terms(scores.reshape(b, s, -1), expert_ids.reshape(b, s, -1),
-                                                token_mask, config),
-        "expert_ids": expert_ids.reshape(b, s, -1),
-        **aux_extra,
-    }
-    return out.reshape(b, s, d), aux

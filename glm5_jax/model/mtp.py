@@ -14,16 +14,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_jax.config import REMAT_POLICIES, ModelConfig
-from glm5_jax.model.decoder import DecoderLayer, LayerContext, decoder_layer
-from glm5_jax.model.layers import Linear, Scale, rms_norm
-from glm5_jax.model.variables import ParamModule
+from glm5_jax.model.context import LayerContext
+from glm5_jax.model.decoder import DecoderLayer, LayerOutput
+from glm5_jax.model.kv_cache import LayerCache
+from glm5_jax.model.layers import Embed, Linear, Scale
 
 
-class MTP(ParamModule):
-    """The MTP module's weights (GLM-5's `model.layers.78`): input norms, the [2D, D] merge projection, one
-    MoE decoder layer with its own indexer, and the norm before the shared LM head."""
+class MTP(nnx.Module):
+    """The MTP module (GLM-5's `model.layers.78`): input norms, the [2D, D] merge projection, one MoE decoder
+    layer with its own indexer, and the norm before the shared LM head."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype):
+        self.config = config  # static: part of the graph definition, not of the state
         d = config.hidden_size
         self.enorm = Scale(d, dtype)
         self.hnorm = Scale(d, dtype)
@@ -32,16 +34,35 @@ class MTP(ParamModule):
         self.layer = DecoderLayer(config, rngs, dtype, moe=True, with_indexer=True)
         self.shared_head_norm = Scale(d, dtype)
 
-    def __call__(self, embedding: jax.Array, h0: jax.Array, tokens: jax.Array, ctx: LayerContext,
-                 config: ModelConfig, num_steps: int, mesh=None, indexer_mode: str | None = None):
-        return mtp_forward(self, embedding, h0, tokens, ctx, config, num_steps, mesh, indexer_mode)
+    def __call__(self, embed: Embed, h0: jax.Array, tokens: jax.Array, ctx: LayerContext, num_steps: int,
+                 mesh=None, indexer_mode: str | None = None) -> tuple[jax.Array, dict]:
+        """Returns the normed MTP hidden states [num_steps, B, S, D] and the MTP layer's aux per step (`embed`:
+        the main model's embedding). The depth loop is a `lax.scan`, so the shared module is compiled once
+        whatever the depth."""
+        config = self.config
 
-    def step(self, embedding: jax.Array, next_tokens: jax.Array, h_prev: jax.Array, ctx: LayerContext,
-             config: ModelConfig, **layer_options):
-        """One depth: x = eh_proj([enorm(Emb(next_tokens)) ; hnorm(h_prev)]) through the MTP layer. Returns
-        (the raw layer output [B, S, D] that feeds the next depth, its shared_head_norm that the LM head
-        reads, the layer's output). `layer_options` go to the decoder layer (a cache when generating)."""
-        return mtp_step(self, embedding, next_tokens, h_prev, ctx, config, **layer_options)
+        def depth_step(h_prev, k):
+            shifted, valid = shift_within_segment(tokens, ctx.segment_ids, k)
+            step_ctx = ctx._replace(token_mask=ctx.token_mask & valid)
+            h, normed, out = self.step(embed, shifted, h_prev, step_ctx, indexer_mode=indexer_mode, mesh=mesh)
+            return h, (normed, out.aux)
+
+        if config.remat_policy != "none":
+            depth_step = jax.checkpoint(depth_step, policy=REMAT_POLICIES[config.remat_policy])
+        _, (outputs, aux) = jax.lax.scan(depth_step, h0, jnp.arange(1, num_steps + 1))
+        return outputs, aux
+
+    def step(self, embed: Embed, next_tokens: jax.Array, h_prev: jax.Array, ctx: LayerContext, *,
+             indexer_mode: str | None = None, mesh=None,
+             cache: LayerCache | None = None) -> tuple[jax.Array, jax.Array, LayerOutput]:
+        """One depth: x = eh_proj([enorm(Emb(next_tokens)) ; hnorm(h_prev)]) through the MTP layer (with its own
+        indexer; no earlier top-k to share). Returns (the raw layer output [B, S, D] that feeds the next depth,
+        its shared_head_norm that the LM head reads, the layer's output). `cache` when generating."""
+        eps = self.config.rms_norm_eps
+        emb = embed(next_tokens, h_prev.dtype)
+        merged = jnp.concatenate([self.enorm.rms_norm(emb, eps), self.hnorm.rms_norm(h_prev, eps)], axis=-1)
+        out = self.layer(self.eh_proj(merged), ctx, indexer_mode=indexer_mode, mesh=mesh, cache=cache)
+        return out.hidden, self.shared_head_norm.rms_norm(out.hidden, eps), out
 
 
 def shift_within_segment(tokens: jax.Array, segment_ids: jax.Array, k) -> tuple[jax.Array, jax.Array]:
@@ -54,34 +75,3 @@ def shift_within_segment(tokens: jax.Array, segment_ids: jax.Array, k) -> tuple[
     shifted_seg = jax.lax.dynamic_slice_in_dim(padded_seg, k, s, axis=1)
     valid = (shifted_seg == segment_ids) & (segment_ids > 0)
     return jnp.where(valid, shifted, 0), valid
-
-
-def mtp_step(mtp, embedding: jax.Array, next_tokens: jax.Array, h_prev: jax.Array, ctx: LayerContext,
-             config: ModelConfig, **layer_options):
-    """`MTP.step` (the MTP layer's own indexer; no earlier top-k to share)."""
-    eps = config.rms_norm_eps
-    dtype = h_prev.dtype
-    emb = embedding[next_tokens].astype(dtype)
-    merged = jnp.concatenate([rms_norm(emb, mtp["enorm"]["scale"], eps),
-                              rms_norm(h_prev, mtp["hnorm"]["scale"], eps)], axis=-1)
-    x = merged @ mtp["eh_proj"]["kernel"].astype(dtype)
-    out = decoder_layer(mtp["layer"], mtp["layer"]["indexer"], x, ctx, None, config, **layer_options)
-    return out.hidden, rms_norm(out.hidden, mtp["shared_head_norm"]["scale"], eps), out
-
-
-def mtp_forward(mtp: dict, embedding: jax.Array, h0: jax.Array, tokens: jax.Array, ctx: LayerContext,
-                config: ModelConfig, num_steps: int, mesh=None, indexer_mode: str | None = None
-                ) -> tuple[jax.Array, dict]:
-    """Returns the normed MTP hidden states [num_steps, B, S, D] and the MTP layer's aux per step.
-    The depth loop is a `lax.scan`, so the shared module is compiled once whatever the depth."""
-    def depth_step(h_prev, k):
-        shifted, valid = shift_within_segment(tokens, ctx.segment_ids, k)
-        step_ctx = ctx._replace(token_mask=ctx.token_mask & valid)
-        h, normed, out = mtp_step(mtp, embedding, shifted, h_prev, step_ctx, config, indexer_mode=indexer_mode,
-                                  mesh=mesh)
-        return h, (normed, out.aux)
-
-    if config.remat_policy != "none":
-        depth_step = jax.checkpoint(depth_step, policy=REMAT_POLICIES[config.remat_policy])
-    _, (outputs, aux) = jax.lax.scan(depth_step, h0, jnp.arange(1, num_steps + 1))
-    return outputs, aux

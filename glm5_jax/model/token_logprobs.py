@@ -115,15 +115,14 @@ def _validate(hidden, kernel, targets, temperature, vocab_chunk):
         raise ValueError(f"hidden has shape {hidden.shape}; expected [B, S, D]")
     if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[2]:
         raise ValueError(f"lm_head_kernel has shape {kernel.shape}; expected [D, V] with D = {hidden.shape[2]}")
-    if targets is not None:
-        if targets.shape != hidden.shape[:2]:
-            raise ValueError(f"targets has shape {targets.shape}; expected [B, S] = {hidden.shape[:2]}")
-        if not jnp.issubdtype(targets.dtype, jnp.integer):
-            raise ValueError(f"targets has dtype {targets.dtype}; expected an integer dtype")
-        ids = _concrete(targets)
-        if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= kernel.shape[1]):
-            bad = ids.min() if ids.min() < 0 else ids.max()
-            raise ValueError(f"targets contains id {bad}; valid ids are 0..{kernel.shape[1] - 1}")
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"targets has shape {targets.shape}; expected [B, S] = {hidden.shape[:2]}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets has dtype {targets.dtype}; expected an integer dtype")
+    ids = _concrete(targets)
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= kernel.shape[1]):
+        bad = ids.min() if ids.min() < 0 else ids.max()
+        raise ValueError(f"targets contains id {bad}; valid ids are 0..{kernel.shape[1] - 1}")
     if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk <= 0:
         raise ValueError(f"vocab_chunk={vocab_chunk!r} is invalid: must be a positive integer")
     temperature = jnp.asarray(temperature)
@@ -148,10 +147,3 @@ def token_logprobs(hidden, lm_head_kernel, targets, *, temperature=1.0, vocab_ch
     target_logit, logsumexp, entropy = _vocab_stats(hidden, lm_head_kernel, targets, inv_temperature,
                                                     vocab_chunk)
     return target_logit - logsumexp, (entropy if compute_entropy else None)
-
-
-def chunked_logsumexp(hidden, lm_head_kernel, *, temperature=1.0, vocab_chunk: int = 8192):
-    """logsumexp over the vocabulary of (hidden @ lm_head_kernel) / temperature, [B, S] fp32 (e.g. z-loss)."""
-    inv_temperature = _validate(hidden, lm_head_kernel, None, temperature, vocab_chunk)
-    targets = jnp.zeros(hidden.shape[:2], jnp.int32)
-    return _vocab_stats(hidden, lm_head_kernel, targets, inv_temperature, vocab_chunk)[1]

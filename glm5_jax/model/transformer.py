@@ -1,7 +1,8 @@
 """The whole model as a Flax NNX module, `GLM5`: embedding -> dense stack -> MoE stack (each run with
 `jax.lax.scan`, unrolled when the config says `scan_layers: false`) -> norm -> head, plus the shared-parameter
-MTP module. `init` gives its state's pure dict (the parameter tree); `forward(params, tokens, config=...)` is the
-pure function over that tree (it merges the tree into the module, inside `jax.jit` when called there).
+MTP module. Two ways in: call the module (`model(tokens, ...)`), or `forward(state, tokens, config=...)`, the
+one pure function over its state (an `nnx.State` or its pure dict, as `init` gives): it merges the state into
+the module, inside `jax.jit` when called there, for jit, optax and orbax.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from flax import nnx
 
 from glm5_jax.config import REMAT_POLICIES, ModelConfig
 from glm5_jax.distributed.logical_axes import constrain
-from glm5_jax.model.decoder import DecoderLayer, LayerContext
+from glm5_jax.model.context import LayerContext, layer_context
+from glm5_jax.model.decoder import DecoderLayer
 from glm5_jax.model.indexer import Indexer
 from glm5_jax.model.kv_cache import KVCache, LayerCache
-from glm5_jax.model.layers import Embed, Linear, Scale, rope_angles
+from glm5_jax.model.layers import Embed, Linear, Scale
 from glm5_jax.model.mtp import MTP
-from glm5_jax.model.variables import ParamModule
-from glm5_jax.model.validation import validate_forward_inputs
+from glm5_jax.model.validation import validate_forward_inputs, validate_params
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 
@@ -46,14 +47,19 @@ def full_indexer_slots(config: ModelConfig) -> np.ndarray:
     return np.cumsum(is_full) - 1
 
 
-class GLM5(ParamModule):
+def head_logits(kernel: jax.Array, hidden: jax.Array) -> jax.Array:
+    """The LM head: hidden [..., D] times its kernel [D, V] -> fp32 logits [..., V]."""
+    return jnp.einsum("...D,DV->...V", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+class GLM5(nnx.Module):
     """The whole model: embedding, the dense and MoE decoder stacks (each a `DecoderLayer` stacked on a leading
     "layers" axis with `nnx.vmap`), the stack of indexers of the "full" layers, final norm, LM head and the MTP
-    module. Its state's pure dict is the parameter tree the rest of the package uses:
+    module. Its state's pure dict is the parameter tree that optax, orbax and the converter see:
 
         model = GLM5(config, nnx.Rngs(0))
         graphdef, state = nnx.split(model)
-        forward(nnx.to_pure_dict(state), tokens, config=config)   # == model(tokens)
+        forward(state, tokens, config=config)   # == model(tokens)
     """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, *, with_mtp: bool | None = None):
@@ -74,9 +80,118 @@ class GLM5(ParamModule):
         if config.num_nextn_predict_layers if with_mtp is None else with_mtp:
             self.mtp = MTP(config, rngs, dtype)
 
-    def __call__(self, tokens: jax.Array, **options) -> ModelOutput:
-        """`model_forward` with this model's config; options as there."""
-        return model_forward(self, tokens, config=self.config, **options)
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, return_logits: bool = True, mtp_steps: int | None = None,
+                 collect_routing: bool = False, expert_choices: jax.Array | None = None,
+                 topk_indices: jax.Array | None = None, indexer_mode: str | None = None, mesh=None,
+                 cache: KVCache | None = None) -> ModelOutput:
+        """The forward pass.
+
+        tokens [B, S] int; positions [B, S] (default 0..S-1; restart per packed document); segment_ids [B, S]
+        (default all 1; 0 = padding; attention, indexer and MTP never cross a segment boundary).
+        `mtp_steps` overrides config.mtp_num_steps (0 disables MTP). `collect_routing` adds the per-layer
+        top-k indices (`aux["topk"]` [L, B, S, N]) and expert choices (`aux["expert_ids"]` [L_moe, B, S, A])
+        to aux; `expert_choices` / `topk_indices` with those shapes replay recorded routing (routing replay).
+        `indexer_mode` ("dense_warmup" | "sparse") adds per-layer indexer KL terms to aux (DSA training).
+        `mesh`: the device mesh the batch is split over (per-device top-k, dispatch and kernels).
+        `cache` runs the tokens as new entries at absolute `positions` against a decoding cache (prefill,
+        decode, speculative verification; `segment_ids` then only mark real tokens) and returns it with their
+        rows written; the top-k then has min(index_topk, cache length) slots.
+        """
+        config = self.config
+        validate_forward_inputs(tokens, positions, segment_ids, config, expert_choices, topk_indices)
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        ctx = layer_context(positions, segment_ids, config)
+
+        x = self.embed(tokens, dtype_of(config.compute_dtype))
+        keys = s if cache is None else cache.latent.shape[2]
+        topk = jnp.zeros((b, s, min(config.index_topk, keys)), jnp.int32)
+        nd = config.num_dense_layers
+        stacks = []
+        if nd:
+            stacks.append(("dense_layers", np.arange(nd)))
+        if config.num_moe_layers:
+            stacks.append(("moe_layers", np.arange(nd, config.num_hidden_layers)))
+        aux_by_stack = {}
+        for name, layer_ids in stacks:
+            choices = expert_choices if name == "moe_layers" else None
+            override = None if topk_indices is None else topk_indices[layer_ids[0]: layer_ids[-1] + 1]
+            x, topk, cache, aux_by_stack[name] = self._run_stack(
+                getattr(self, name), x, topk, ctx, layer_ids, collect_routing=collect_routing,
+                expert_choices=choices, topk_override=override, indexer_mode=indexer_mode, mesh=mesh, cache=cache,
+                positions=positions)
+
+        hidden = self.final_norm.rms_norm(x, config.rms_norm_eps)
+        aux = dict(aux_by_stack.get("moe_layers", {}))
+        if indexer_mode is not None:
+            for key in ("indexer_kl_sum", "indexer_kl_count", "topk_mass_sum"):
+                aux[key] = jnp.concatenate([aux_by_stack[n][key] for n, _ in stacks])
+        if collect_routing:
+            aux["topk"] = jnp.concatenate([aux_by_stack[n]["topk"] for n, _ in stacks])
+
+        steps = config.mtp_num_steps if mtp_steps is None else mtp_steps
+        mtp_hidden = mtp_logits = None
+        if steps and hasattr(self, "mtp"):
+            mtp_hidden, aux["mtp"] = self.mtp(self.embed, hidden, tokens, ctx, steps, mesh, indexer_mode)
+            if not collect_routing:
+                aux["mtp"].pop("expert_ids", None)
+        logits = None
+        if return_logits:
+            logits = self.logits(hidden)
+            if mtp_hidden is not None:
+                mtp_logits = self.logits(mtp_hidden)
+        return ModelOutput(logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden, aux=aux,
+                           cache=cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits [..., V] of normed hidden states [..., D]."""
+        return head_logits(self.lm_head.kernel[...], hidden)
+
+    def _run_stack(self, stack: DecoderLayer, x: jax.Array, topk: jax.Array, ctx: LayerContext,
+                   layer_ids: np.ndarray, *, collect_routing: bool, expert_choices: jax.Array | None,
+                   topk_override: jax.Array | None, indexer_mode: str | None, mesh, cache: KVCache | None,
+                   positions: jax.Array) -> tuple:
+        """Scan one stack: each step merges one layer's slice of the stacked state (and its indexer's) back
+        into modules, so the layer compiles once whatever the depth. With a cache, each layer writes its rows
+        into it (the cache travels in the scan's carry)."""
+        config = self.config
+        types = [config.layer_indexer_types[i] for i in layer_ids]
+        all_full = all(t == "full" for t in types)
+        slots = full_indexer_slots(config)[layer_ids]
+        layer_def, layer_state = nnx.split(stack)
+        indexer_def, indexer_state = nnx.split(self.indexers)
+        xs = {"layer": layer_state, "indexer": jax.tree.map(lambda a: a[slots], indexer_state),
+              "is_full": jnp.asarray([t == "full" for t in types])}
+        if expert_choices is not None:
+            xs["expert_choices"] = expert_choices
+        if topk_override is not None:
+            xs["topk_override"] = topk_override
+        if cache is not None:
+            xs["layer_id"] = jnp.asarray(layer_ids, jnp.int32)
+            xs["slot"] = jnp.asarray(slots, jnp.int32)
+
+        def body(carry, xs_l):
+            h, prev_topk, kv = carry
+            layer, indexer = nnx.merge(layer_def, xs_l["layer"]), nnx.merge(indexer_def, xs_l["indexer"])
+            h = constrain(h, ACTIVATION_AXES, mesh)  # layer boundary: batch over data/fsdp, model dim replicated
+            layer_cache = None if kv is None else LayerCache(kv, xs_l["layer_id"], xs_l["slot"], positions)
+            out = layer(h, ctx, indexer=indexer, prev_topk=prev_topk,
+                        run_indexer=True if all_full else xs_l["is_full"], expert_choices=xs_l.get("expert_choices"),
+                        topk_override=xs_l.get("topk_override"), indexer_mode=indexer_mode, mesh=mesh,
+                        cache=layer_cache)
+            aux = dict(out.aux, topk=out.topk) if collect_routing else {
+                k: v for k, v in out.aux.items() if k != "expert_ids"}
+            kv = None if out.cache is None else out.cache.kv
+            return (constrain(out.hidden, ACTIVATION_AXES, mesh), out.topk, kv), aux
+
+        if config.remat_policy != "none" and cache is None:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[config.remat_policy])
+        (x, topk, cache), aux = jax.lax.scan(body, (x, topk, cache), xs, unroll=not config.scan_layers)
+        return x, topk, cache, aux
 
 
 def _stacked(make, rngs: nnx.Rngs, n: int):
@@ -109,148 +224,41 @@ def graphdef(config: ModelConfig, with_mtp: bool | None = None) -> nnx.GraphDef:
     return nnx.split(nnx.eval_shape(lambda: GLM5(config, nnx.Rngs(0), with_mtp=with_mtp)))[0]
 
 
-def merge(params, config: ModelConfig) -> GLM5:
-    """The model holding `params` (a pure dict or an `nnx.State`; host numpy arrays become device arrays);
-    the MTP module only when params hold it."""
-    with_mtp = bool(config.num_nextn_predict_layers) and "mtp" in params
-    return nnx.merge(graphdef(config, with_mtp), jax.tree.map(jnp.asarray, params))
+@functools.lru_cache(maxsize=64)
+def _layer_graphdefs(config: ModelConfig, moe: bool) -> tuple[nnx.GraphDef, nnx.GraphDef]:
+    dtype = dtype_of(config.param_dtype)
+    layer = nnx.eval_shape(lambda: DecoderLayer(config, nnx.Rngs(0), dtype, moe=moe))
+    return nnx.split(layer)[0], nnx.split(nnx.eval_shape(lambda: Indexer(config, nnx.Rngs(0), dtype)))[0]
 
 
-def _run_stack(stack: DecoderLayer, indexers: Indexer, x: jax.Array, topk: jax.Array, ctx: LayerContext,
-               config: ModelConfig, layer_ids: np.ndarray, *, collect_routing: bool,
-               expert_choices: jax.Array | None, topk_override: jax.Array | None, indexer_mode: str | None,
-               mesh, cache: KVCache | None, positions: jax.Array) -> tuple:
-    """Scan one stack: each step merges one layer's slice of the stacked state (and its indexer's) back into
-    modules, so the layer compiles once whatever the depth. With a cache, each layer writes its rows into it
-    (the cache travels in the scan's carry)."""
-    types = [config.layer_indexer_types[i] for i in layer_ids]
-    all_full = all(t == "full" for t in types)
-    slots = full_indexer_slots(config)[layer_ids]
-    layer_def, layer_state = nnx.split(stack)
-    indexer_def, indexer_state = nnx.split(indexers)
-    xs = {"layer": layer_state, "indexer": jax.tree.map(lambda a: a[slots], indexer_state),
-          "is_full": jnp.asarray([t == "full" for t in types])}
-    if expert_choices is not None:
-        xs["expert_choices"] = expert_choices
-    if topk_override is not None:
-        xs["topk_override"] = topk_override
-    if cache is not None:
-        xs["layer_id"] = jnp.asarray(layer_ids, jnp.int32)
-        xs["slot"] = jnp.asarray(slots, jnp.int32)
-
-    def body(carry, xs_l):
-        h, prev_topk, kv = carry
-        layer, indexer = nnx.merge(layer_def, xs_l["layer"]), nnx.merge(indexer_def, xs_l["indexer"])
-        h = constrain(h, ACTIVATION_AXES, mesh)  # layer boundary: batch over data/fsdp, model dim replicated
-        layer_cache = None if kv is None else LayerCache(kv, xs_l["layer_id"], xs_l["slot"], positions)
-        out = layer(indexer, h, ctx, prev_topk, config, run_indexer=True if all_full else xs_l["is_full"],
-                    expert_choices=xs_l.get("expert_choices"), topk_override=xs_l.get("topk_override"),
-                    indexer_mode=indexer_mode, mesh=mesh, cache=layer_cache)
-        aux = dict(out.aux, topk=out.topk) if collect_routing else {
-            k: v for k, v in out.aux.items() if k != "expert_ids"}
-        kv = None if out.cache is None else out.cache.kv
-        return (constrain(out.hidden, ACTIVATION_AXES, mesh), out.topk, kv), aux
-
-    if config.remat_policy != "none" and cache is None:
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[config.remat_policy])
-    (x, topk, cache), aux = jax.lax.scan(body, (x, topk, cache), xs, unroll=not config.scan_layers)
-    return x, topk, cache, aux
+def layer_modules(config: ModelConfig, stack: str, layer_state, indexer_state) -> tuple[DecoderLayer, Indexer]:
+    """One layer of `stack` ("dense_layers" | "moe_layers") and one indexer, from their states without the
+    leading "layers" axis (pure dicts or `nnx.State`), e.g. to trace a single layer."""
+    layer_def, indexer_def = _layer_graphdefs(config, stack == "moe_layers")
+    return nnx.merge(layer_def, layer_state), nnx.merge(indexer_def, indexer_state)
 
 
-def forward(params, tokens: jax.Array, *, config: ModelConfig, **options) -> ModelOutput:
-    """The pure forward pass over a parameter tree (the model state's pure dict, or an `nnx.State`): merges
-    it into `GLM5` (inside `jax.jit` when called there) and runs `model_forward`. Options as there."""
-    validate_forward_inputs(params, tokens, options.get("positions"), options.get("segment_ids"), config,
-                            options.get("expert_choices"), options.get("topk_indices"))
-    return model_forward(merge(params, config), tokens, config=config, **options)
+def merge(state, config: ModelConfig) -> GLM5:
+    """The model holding `state` (its pure dict or an `nnx.State`; host numpy arrays become device arrays);
+    the MTP module only when the state holds it."""
+    with_mtp = bool(config.num_nextn_predict_layers) and "mtp" in state
+    return nnx.merge(graphdef(config, with_mtp), jax.tree.map(jnp.asarray, state))
 
 
-def layer_context(positions: jax.Array, segment_ids: jax.Array, config: ModelConfig) -> LayerContext:
-    """What every layer shares for tokens at `positions` [B, S] with `segment_ids` [B, S] (0 = padding)."""
-    cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
-    return LayerContext(cos=cos, sin=sin, segment_ids=segment_ids, token_mask=segment_ids > 0)
+# The arguments of `forward` that select code paths or shapes: static under `jax.jit`.
+FORWARD_STATIC_ARGNAMES = ("config", "return_logits", "mtp_steps", "collect_routing", "indexer_mode", "mesh")
 
 
-def model_forward(params: GLM5, tokens: jax.Array, *, config: ModelConfig, positions: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None, return_logits: bool = True, mtp_steps: int | None = None,
-                  collect_routing: bool = False, expert_choices: jax.Array | None = None,
-                  topk_indices: jax.Array | None = None, indexer_mode: str | None = None, mesh=None,
-                  cache: KVCache | None = None) -> ModelOutput:
-    """The forward pass of a `GLM5` module (what `GLM5.__call__` and `forward` run).
-
-    tokens [B, S] int; positions [B, S] (default 0..S-1; restart per packed document); segment_ids [B, S]
-    (default all 1; 0 = padding; attention, indexer and MTP never cross a segment boundary).
-    `mtp_steps` overrides config.mtp_num_steps (0 disables MTP). `collect_routing` adds the per-layer top-k
-    indices (`aux["topk"]` [L, B, S, N]) and expert choices (`aux["expert_ids"]` [L_moe, B, S, A]) to aux;
-    `expert_choices` / `topk_indices` with those shapes replay recorded routing (routing replay).
-    `indexer_mode` ("dense_warmup" | "sparse") adds per-layer indexer KL terms to aux (DSA training).
-    `cache` runs the tokens as new entries at absolute `positions` against a decoding cache (prefill, decode,
-    speculative verification; `segment_ids` then only mark real tokens) and returns it with their rows
-    written; the top-k then has min(index_topk, cache length) slots.
-    """
-    validate_forward_inputs(params, tokens, positions, segment_ids, config, expert_choices, topk_indices)
-    b, s = tokens.shape
-    cdt = dtype_of(config.compute_dtype)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, s), jnp.int32)
-    ctx = layer_context(positions, segment_ids, config)
-
-    x = params.embed(tokens, cdt)
-    keys = s if cache is None else cache.latent.shape[2]
-    topk = jnp.zeros((b, s, min(config.index_topk, keys)), jnp.int32)
-    nd = config.num_dense_layers
-    stacks = []
-    if nd:
-        stacks.append(("dense_layers", np.arange(nd)))
-    if config.num_moe_layers:
-        stacks.append(("moe_layers", np.arange(nd, config.num_hidden_layers)))
-    aux_by_stack = {}
-    for name, layer_ids in stacks:
-        choices = expert_choices if name == "moe_layers" else None
-        override = None if topk_indices is None else topk_indices[layer_ids[0]: layer_ids[-1] + 1]
-        x, topk, cache, aux_by_stack[name] = _run_stack(
-            getattr(params, name), params.indexers, x, topk, ctx, config, layer_ids, collect_routing=collect_routing,
-            expert_choices=choices, topk_override=override, indexer_mode=indexer_mode, mesh=mesh, cache=cache,
-            positions=positions)
-
-    hidden = params.final_norm.rms_norm(x, config.rms_norm_eps)
-    aux = dict(aux_by_stack.get("moe_layers", {}))
-    if indexer_mode is not None:
-        for key in ("indexer_kl_sum", "indexer_kl_count", "topk_mass_sum"):
-            aux[key] = jnp.concatenate([aux_by_stack[n][key] for n, _ in stacks])
-    if collect_routing:
-        aux["topk"] = jnp.concatenate([aux_by_stack[n]["topk"] for n, _ in stacks])
-
-    steps = config.mtp_num_steps if mtp_steps is None else mtp_steps
-    mtp_hidden = mtp_logits = None
-    if steps and "mtp" in params:
-        mtp_hidden, aux["mtp"] = params.mtp(params.embed["embedding"], hidden, tokens, ctx, config, steps, mesh,
-                                            indexer_mode)
-        if not collect_routing:
-            aux["mtp"].pop("expert_ids", None)
-    logits = None
-    if return_logits:
-        logits = lm_head_logits(params, hidden)
-        if mtp_hidden is not None:
-            mtp_logits = lm_head_logits(params, mtp_hidden)
-    return ModelOutput(logits=logits, mtp_logits=mtp_logits, hidden=hidden, mtp_hidden=mtp_hidden, aux=aux,
-                       cache=cache)
-
-
-def lm_head_logits(params: dict, hidden: jax.Array) -> jax.Array:
-    kernel = params["lm_head"]["kernel"].astype(hidden.dtype)
-    return jnp.einsum("...D,DV->...V", hidden, kernel, preferred_element_type=jnp.float32)
-
-
-_STATIC_FORWARD_ARGS = ("config", "return_logits", "mtp_steps", "collect_routing", "indexer_mode", "mesh")
-_forward_compiled = jax.jit(forward, static_argnames=_STATIC_FORWARD_ARGS)
-
-
-def jit_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, **kwargs) -> ModelOutput:
-    """`forward` compiled once per (config, static options, shapes); inputs are validated on their concrete
-    values first, since inside the compiled function they are only shapes."""
-    validate_forward_inputs(params, tokens, kwargs.get("positions"), kwargs.get("segment_ids"), config,
-                            kwargs.get("expert_choices"), kwargs.get("topk_indices"))
-    return _forward_compiled(params, tokens, config=config, **kwargs)
+def forward(state, tokens: jax.Array, *, config: ModelConfig, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, return_logits: bool = True, mtp_steps: int | None = None,
+            collect_routing: bool = False, expert_choices: jax.Array | None = None,
+            topk_indices: jax.Array | None = None, indexer_mode: str | None = None, mesh=None,
+            cache: KVCache | None = None) -> ModelOutput:
+    """The pure forward pass over the model's state (an `nnx.State` or its pure dict): merges it into `GLM5`
+    (inside `jax.jit` when called there) and calls it. Arguments as `GLM5.__call__`; under `jax.jit` those
+    named in `FORWARD_STATIC_ARGNAMES` are static. Values (token ids in the vocabulary, ...) are checked only
+    outside `jax.jit`, where they are concrete."""
+    validate_params(state, config)
+    return merge(state, config)(tokens, positions=positions, segment_ids=segment_ids, return_logits=return_logits,
+                                mtp_steps=mtp_steps, collect_routing=collect_routing, expert_choices=expert_choices,
+                                topk_indices=topk_indices, indexer_mode=indexer_mode, mesh=mesh, cache=cache)

@@ -29,7 +29,18 @@ def _check_int_rank2(name: str, x, shape=None) -> None:
         raise InputError(f"{name} has shape {tuple(x.shape)}, but tokens have shape {tuple(shape)}")
 
 
-def validate_forward_inputs(params, tokens, positions, segment_ids, config: ModelConfig, expert_choices=None,
+def validate_params(params, config: ModelConfig) -> None:
+    """A model state (pure dict or `nnx.State`) holds the model's weights, shaped for `config`."""
+    layers = [k for k in ("dense_layers", "moe_layers") if k in params]
+    if "embed" not in params or not layers:
+        raise InputError(f"params is missing model weights: top-level keys {sorted(params)}")
+    emb = params["embed"]["embedding"]
+    if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+        raise InputError(f"params embed.embedding has shape {tuple(emb.shape)}, but the config needs "
+                         f"{(config.vocab_size, config.hidden_size)}: the params belong to another model shape")
+
+
+def validate_forward_inputs(tokens, positions, segment_ids, config: ModelConfig, expert_choices=None,
                             topk_indices=None) -> None:
     _check_int_rank2("tokens", tokens)
     if tokens.shape[1] == 0 or tokens.shape[0] == 0:
@@ -59,13 +70,6 @@ def validate_forward_inputs(params, tokens, positions, segment_ids, config: Mode
                 if len(np.unique(real)) != len(real):
                     raise InputError(f"segment_ids row {row} is not contiguous: segment ids {real.tolist()} "
                                      "repeat after another segment (each packed document must be one run)")
-    layers = [k for k in ("dense_layers", "moe_layers") if k in params]
-    if "embed" not in params or not layers:
-        raise InputError(f"params is missing model weights: top-level keys {sorted(params)}")
-    emb = params["embed"]["embedding"]
-    if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
-        raise InputError(f"params embed.embedding has shape {tuple(emb.shape)}, but the config needs "
-                         f"{(config.vocab_size, config.hidden_size)}: the params belong to another model shape")
     b, s = tokens.shape
     if expert_choices is not None:
         expected = (config.num_moe_layers, b, s, config.num_experts_per_tok)

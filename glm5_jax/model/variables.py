@@ -5,10 +5,6 @@ Every weight is created with the logical names of its dims as metadata (`out_sha
 (`glm5_jax.distributed.logical_axes.LOGICAL_AXIS_RULES`) maps those names to mesh axes, so nothing else
 describes the tree's shape. The router's correction bias is a `RouterBias`, not an `nnx.Param`: gradients
 never train it (the train step moves it toward balance), and optimizer masks select it by that type.
-
-`ParamModule` lets the model's pure functions read a module as they would read a nested dict of its weights
-(`attn["q_a_proj"]["kernel"]`), so the same functions serve a merged module inside `jax.jit` and the pure
-dict of its state (`nnx.to_pure_dict(nnx.state(model))`).
 """
 
 from __future__ import annotations
@@ -36,22 +32,6 @@ def router_bias(value: jax.Array, axes: tuple[str, ...]) -> RouterBias:
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-class ParamModule(nnx.Module):
-    """An NNX module that also reads like the nested dict of its weights: `module["name"]` is a submodule or a
-    weight's value, `"name" in module` says whether it has one."""
-
-    def __getitem__(self, key: str):
-        value = getattr(self, key, None)
-        if isinstance(value, nnx.Variable):
-            return value[...]
-        if isinstance(value, nnx.Module):
-            return value
-        raise KeyError(f"{type(self).__name__} has no weight or submodule {key!r}")
-
-    def __contains__(self, key: str) -> bool:
-        return isinstance(getattr(self, key, None), (nnx.Variable, nnx.Module))
 
 
 def logical_axes(variable: nnx.Variable) -> tuple[str, ...]:

@@ -40,9 +40,9 @@ from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, disp
                                                dispatch_without_exchange)
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
-from glm5_jax.model.decoder import LayerContext, decoder_layer
+from glm5_jax.model.context import LayerContext
 from glm5_jax.model.layers import rope_angles
-from glm5_jax.model.transformer import forward
+from glm5_jax.model.transformer import forward, layer_modules
 from glm5_jax.train.optim import make_optimizer
 from glm5_jax.tree_paths import path_names
 
@@ -193,7 +193,8 @@ def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, se
         cos, sin = rope_angles(positions, config.qk_rope_head_dim, config.rope_theta)
         segment_ids = jnp.ones(positions.shape, jnp.int32)
         ctx = LayerContext(cos=cos, sin=sin, segment_ids=segment_ids, token_mask=segment_ids > 0)
-        return decoder_layer(layer, indexer, x, ctx, None, config)[0]
+        layer, indexer = layer_modules(config, kind, layer, indexer)
+        return layer(x, ctx, indexer=indexer).hidden
 
     return _residual_bytes(layer_fn, (layer, indexer, positions, x), exclude=3)
 

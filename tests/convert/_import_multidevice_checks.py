@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
 from glm5_jax.convert.streaming_import import import_hf  # noqa: E402
 from glm5_jax.convert.tensor_source import CheckpointDir  # noqa: E402
-from glm5_jax.model.transformer import jit_forward  # noqa: E402
+from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward  # noqa: E402
 from glm5_jax.distributed.mesh import MeshConfig, make_mesh  # noqa: E402
 from glm5_jax.parallel.sharding import param_shardings  # noqa: E402
 
@@ -44,7 +44,8 @@ def main(hf_dir: str, expected: str, out_dir: str) -> None:
     assert experts.addressable_shards[0].data.shape[1] == experts.shape[1] // 2  # experts split over `expert`
     print(f"PASS imported onto fsdp=2 expert=2 tensor=2 with the rule-table shardings ({split} leaves split)")
 
-    logits = np.asarray(jit_forward(imported.params, want["tokens"], config=imported.config).logits)
+    jitted = jax.jit(forward, static_argnames=FORWARD_STATIC_ARGNAMES)
+    logits = np.asarray(jitted(imported.params, want["tokens"], config=imported.config).logits)
     err = float(np.abs(logits - want["logits"]).max())
     assert err <= 1e-4, err
     print(f"PASS sharded import matches HF logits (max abs err {err:.2e})")

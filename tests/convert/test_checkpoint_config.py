@@ -15,7 +15,7 @@ from hf_checkpoints import SMALL, tie_free_bf16_model  # noqa: E402
 
 from glm5_jax.convert.checkpoint_config import model_config_from_checkpoint  # noqa: E402
 from glm5_jax.convert.hf import ConversionError, hf_config_dict, load_hf_checkpoint  # noqa: E402
-from glm5_jax.model.transformer import jit_forward  # noqa: E402
+from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward  # noqa: E402
 
 HF = hf_config_dict(SMALL)  # num_hidden_layers=3, first_k_dense_replace=1
 
@@ -27,7 +27,8 @@ def test_float32_checkpoint_computes_in_float32_and_matches_hf(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
     params, config = load_hf_checkpoint(tmp_path)
     assert (config.param_dtype, config.compute_dtype) == ("float32", "float32")
-    logits = np.asarray(jit_forward(jax.tree.map(jax.numpy.asarray, params), tokens, config=config).logits)
+    jitted = jax.jit(forward, static_argnames=FORWARD_STATIC_ARGNAMES)
+    logits = np.asarray(jitted(jax.tree.map(jax.numpy.asarray, params), tokens, config=config).logits)
     np.testing.assert_allclose(logits, hf_logits, atol=1e-4, rtol=0)
 
 

@@ -20,7 +20,7 @@ from glm5_jax.convert.hf import ConversionError, load_hf_checkpoint  # noqa: E40
 from glm5_jax.convert.sharded_export import export_hf  # noqa: E402
 from glm5_jax.convert.streaming_import import import_hf, save_imported  # noqa: E402
 from glm5_jax.convert.tensor_source import INDEX_FILE, CheckpointFormatError  # noqa: E402
-from glm5_jax.model.transformer import jit_forward  # noqa: E402
+from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward  # noqa: E402
 from glm5_jax.parallel.sharding import abstract_params  # noqa: E402
 
 
@@ -41,7 +41,8 @@ def test_import_on_one_device_matches_hf_logits(hf_checkpoint):
     leaves = jax.tree.leaves(imported.params)
     assert all(leaf.dtype == jax.numpy.bfloat16 for leaf in leaves)  # bf16 stays bf16
     assert {leaf.sharding.device_set.pop() for leaf in leaves} == {jax.devices()[0]}
-    logits = np.asarray(jit_forward(imported.params, tokens, config=imported.config).logits)
+    jitted = jax.jit(forward, static_argnames=FORWARD_STATIC_ARGNAMES)
+    logits = np.asarray(jitted(imported.params, tokens, config=imported.config).logits)
     np.testing.assert_allclose(logits, hf_logits, atol=1e-4, rtol=0)
 
 

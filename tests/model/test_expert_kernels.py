@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from glm5_jax.config import ModelConfig
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.distributed.mesh import make_mesh
-from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.moe import MoE
 from glm5_jax.parallel.topology import get_topology
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -29,7 +29,8 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, moe_
 def _compiled_moe_step(backend: str, mesh) -> str:
     """Compiled HLO of one MoE block's loss and gradients with `backend`, its inputs on `mesh`."""
     config = dataclasses.replace(CONFIG, moe_backend=backend)
-    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(MoE(config, nnx.Rngs(0), jnp.float32))))
+    graph, state = nnx.split(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.float32)))
+    params = nnx.to_pure_dict(state)
     x = jax.ShapeDtypeStruct((4, 64, config.hidden_size), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((4, 64), jnp.bool_)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -37,7 +38,7 @@ def _compiled_moe_step(backend: str, mesh) -> str:
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), tree)
 
     def loss(params, x, mask):
-        out, _ = moe_block(params, x, mask, config, mesh=mesh)
+        out, _ = nnx.merge(graph, params)(x, mask, mesh=mesh)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*place((params, x, mask))).lower().compile().as_text()

@@ -16,7 +16,9 @@ from hf_reference import build_hf_model, has_boundary_ties, hf_index_scores, hf_
 
 from glm5_jax.config import ModelConfig  # noqa: E402
 from glm5_jax.convert.hf import from_hf_state_dict  # noqa: E402
-from glm5_jax.model.transformer import jit_forward as forward  # noqa: E402
+from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward as pure_forward  # noqa: E402
+
+forward = jax.jit(pure_forward, static_argnames=FORWARD_STATIC_ARGNAMES)
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
             q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,

@@ -8,14 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from param_fill import random_params
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model import indexer
 from glm5_jax.model.mtp import shift_within_segment
-from glm5_jax.model.transformer import init, jit_forward as forward, lm_head_logits
+from glm5_jax.model.transformer import FORWARD_STATIC_ARGNAMES, forward as pure_forward, init, merge
+from pallas_kernels import chunked_topk as indexer
 from glm5_jax.model.validation import InputError
+
+forward = jax.jit(pure_forward, static_argnames=FORWARD_STATIC_ARGNAMES)
 
 TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                    num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
@@ -72,19 +75,20 @@ def test_sparse_equals_dense_and_absorbed_equals_expanded(params):
 
 @pytest.mark.slow
 def test_absorbed_attention_equals_expanded_on_all_keys(params):
-    from glm5_jax.model import attention
     from glm5_jax.model.layers import rope_angles
+    from pallas_kernels.sparse_latent import sparse_latent_attention
 
-    attn = jax.tree.map(lambda a: a[0], params["dense_layers"]["attn"])
+    graph, stacked = nnx.split(merge(params, TINY).dense_layers.attn)
+    attn = nnx.merge(graph, jax.tree.map(lambda a: a[0], stacked))  # the first layer's MLA
     x = jax.random.normal(jax.random.key(4), (1, 6, TINY.hidden_size))
     cos, sin = rope_angles(jnp.arange(6)[None], TINY.qk_rope_head_dim, TINY.rope_theta)
-    proj = attention.project(attn, x, cos, sin, TINY)
+    proj = attn.project(x, cos, sin)
     allowed = jnp.tril(jnp.ones((6, 6), bool))[None]
-    expanded = attention.expanded_attention(attn, proj, allowed, TINY)
+    expanded = attn.expanded_attention(proj, allowed)
     indices = jnp.where(allowed, jnp.arange(6)[None, None], -1)
-    latent = attention.sparse_latent_attention(attention.absorbed_queries(attn, proj, TINY), proj["cache"],
-                                               indices, TINY.softmax_scale, TINY.kv_lora_rank)[0]
-    np.testing.assert_allclose(attention.latent_to_heads(attn, latent, TINY), expanded, atol=1e-5)
+    latent = sparse_latent_attention(attn.absorbed_queries(proj), proj.rows, indices, TINY.softmax_scale,
+                                     TINY.kv_lora_rank)[0]
+    np.testing.assert_allclose(attn.latent_to_heads(latent), expanded, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -133,7 +137,7 @@ def test_index_share_layers_reuse_previous_topk():
 
 @pytest.mark.slow
 def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
-    from glm5_jax.model.decoder import LayerContext, decoder_layer
+    from glm5_jax.model.context import LayerContext
     from glm5_jax.model.layers import rms_norm, rope_angles
 
     assert "mtp" in params and "layers" not in params["mtp"]  # one module, no per-depth copies
@@ -143,7 +147,8 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
     mtp, eps = params["mtp"], TINY.rms_norm_eps
     cos, sin = rope_angles(jnp.arange(12)[None], TINY.qk_rope_head_dim, TINY.rope_theta)
     h = out.hidden
-    layer_fn = jax.jit(decoder_layer, static_argnames=("config",))
+    mtp_layer = merge(params, TINY).mtp.layer
+    layer_fn = jax.jit(lambda x, ctx: mtp_layer(x, ctx).hidden)  # the MTP layer with its own indexer
     for k in range(1, 4):
         # Depth k at position i reads t_{i+k}; it is compared where i+k is inside the sequence.
         n = 12 - k
@@ -151,9 +156,8 @@ def test_mtp_shares_one_parameter_set_and_matches_a_direct_loop(params):
         x = jnp.concatenate([rms_norm(emb, mtp["enorm"]["scale"], eps),
                              rms_norm(h[:, :n], mtp["hnorm"]["scale"], eps)], -1) @ mtp["eh_proj"]["kernel"]
         ctx = LayerContext(cos[:, :n], sin[:, :n], jnp.ones((1, n), jnp.int32), jnp.ones((1, n), bool))
-        layer = {key: v for key, v in mtp["layer"].items() if key != "indexer"}
-        h = layer_fn(layer, mtp["layer"]["indexer"], x, ctx, None, config=TINY).hidden
-        logits = lm_head_logits(params, rms_norm(h, mtp["shared_head_norm"]["scale"], eps))
+        h = layer_fn(x, ctx)
+        logits = rms_norm(h, mtp["shared_head_norm"]["scale"], eps) @ params["lm_head"]["kernel"]
         np.testing.assert_allclose(out.mtp_logits[k - 1, :, :n], logits, atol=1e-5)
 
 
@@ -230,20 +234,20 @@ def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
 ])
 def test_bad_tokens_are_rejected_with_clear_errors(params, bad, message):
     with pytest.raises(InputError, match=message):
-        forward(params, bad(_tokens(13)), config=TINY)
+        pure_forward(params, bad(_tokens(13)), config=TINY)  # values are checked where they are concrete
 
 
 def test_bad_segment_ids_and_positions_are_rejected(params):
     tokens = _tokens(14, (1, 6))
     with pytest.raises(InputError, match="segment_ids has shape"):
-        forward(params, tokens, config=TINY, segment_ids=jnp.ones((1, 5), jnp.int32))
+        pure_forward(params, tokens, config=TINY, segment_ids=jnp.ones((1, 5), jnp.int32))
     with pytest.raises(InputError, match="not contiguous"):
-        forward(params, tokens, config=TINY, segment_ids=jnp.array([[1, 1, 2, 2, 1, 1]]))
+        pure_forward(params, tokens, config=TINY, segment_ids=jnp.array([[1, 1, 2, 2, 1, 1]]))
     with pytest.raises(InputError, match="positions"):
-        forward(params, tokens, config=TINY, positions=jnp.full((1, 6), -1))
+        pure_forward(params, tokens, config=TINY, positions=jnp.full((1, 6), -1))
     wrong_shape = dataclasses.replace(TINY, hidden_size=64)
     with pytest.raises(InputError, match="another model shape"):
-        forward(params, tokens, config=wrong_shape)
+        pure_forward(params, tokens, config=wrong_shape)
 
 
 @pytest.mark.parametrize("block", [1, 4, 128])

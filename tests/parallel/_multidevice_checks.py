@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from glm5_jax.config import ModelConfig, load_model_config  # noqa: E402
 from glm5_jax.model.layers import swiglu  # noqa: E402
 from glm5_jax.model.experts import experts_reference  # noqa: E402
-from glm5_jax.model.moe import MoE, moe_block, route  # noqa: E402
+from glm5_jax.model.moe import MoE  # noqa: E402
 from glm5_jax.config.mesh import BATCH_AXES, MeshConfig  # noqa: E402
 from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
 
@@ -40,6 +40,12 @@ from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
 def init_moe(config, key, dtype) -> dict:
     """The weights of one MoE block (`MoE` module) as a pure dict."""
     return nnx.to_pure_dict(nnx.state(MoE(config, nnx.Rngs(key), dtype)))
+
+
+def moe_module(params: dict, config: ModelConfig) -> MoE:
+    """The `MoE` module of `config` holding the pure-dict weights `params` (inside jit: traced ones)."""
+    graph = nnx.split(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.float32)))[0]
+    return nnx.merge(graph, params)
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -133,7 +139,7 @@ def hand_moe(params, x, probe, kept):
 
     def moe_fn(params, x):
         flat = x.reshape(b * s, d)
-        ids, weights, _ = route(params, flat, config)
+        ids, weights, _ = moe_module(params, config).route(flat)
         routed = experts_reference(params["experts"], flat, ids, weights * kept)
         shared = params["shared_experts"]
         out = routed + swiglu(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],
@@ -144,7 +150,7 @@ def hand_moe(params, x, probe, kept):
 
 def ep_moe(config, mesh, params, x, probe):
     def moe_fn(params, x):
-        out, aux = moe_block(params, x, jnp.ones(x.shape[:2], bool), config, mesh=mesh)
+        out, aux = moe_module(params, config)(x, jnp.ones(x.shape[:2], bool), mesh=mesh)
         return out, aux["dropped_assignments"]
     return jax.jit(lambda p, x, r: value_and_grads(moe_fn, p, x, r))(params, x, probe)
 
@@ -163,7 +169,7 @@ def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: 
         per_shard = x.shape[0] * x.shape[1] // shards
         top_k, n_experts = config.num_experts_per_tok, config.n_routed_experts
         rows = math.ceil(capacity_factor * per_shard * top_k)
-        ids = jax.jit(lambda p, x: route(p, x.reshape(-1, x.shape[-1]), config)[0])(params, x)
+        ids = jax.jit(lambda p, x: moe_module(p, config).route(x.reshape(-1, x.shape[-1]))[0])(params, x)
         kept = hand_kept(np.asarray(ids), shards, mesh.shape["expert"], rows, n_experts)
         want_dropped = int((~kept).sum())
         assert want_dropped > 0, f"{name}: the case must force drops"
@@ -179,7 +185,7 @@ def reference_backend(inputs):
     """The library's `reference` MoE backend on one device: output and grads."""
     config = tiny(moe_backend="reference")
     out, _, grads = jax.jit(lambda p, x, r: value_and_grads(
-        lambda p, x: (moe_block(p, x, jnp.ones(x.shape[:2], bool), config)[0], None), p, x, r))(*inputs)
+        lambda p, x: (moe_module(p, config)(x, jnp.ones(x.shape[:2], bool))[0], None), p, x, r))(*inputs)
     return out, grads
 
 
@@ -195,7 +201,8 @@ def check_dropped_tokens_get_shared_expert_only(mesh_sizes: dict, inputs):
     config = tiny(moe_backend="ep", moe_capacity_factor=1 / (2 * per_shard))
     assert math.ceil(config.moe_capacity_factor * per_shard * 2) == 1
     choices = jnp.broadcast_to(jnp.arange(config.num_experts_per_tok, dtype=jnp.int32), (b, s, 2))
-    out, aux = jax.jit(lambda p, x: moe_block(p, x, jnp.ones((b, s), bool), config, choices, mesh=mesh))(params, x)
+    out, aux = jax.jit(lambda p, x: moe_module(p, config)(x, jnp.ones((b, s), bool), choices, mesh=mesh))(
+        params, x)
     shared = params["shared_experts"]
     flat, out_flat = x.reshape(b * s, d), np.asarray(out).reshape(b * s, d)
     shared_out = np.asarray(jax.jit(swiglu)(flat, shared["gate_proj"]["kernel"], shared["up_proj"]["kernel"],

@@ -11,7 +11,7 @@ from flax import nnx
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.experts import experts_reference
-from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.moe import MoE
 from glm5_jax.model.expert_parallel import (ExpertParallelError, capacity_settings, dispatch_layout,
                                                experts_ep)
 
@@ -76,11 +76,15 @@ def test_capacity_drops_the_rows_past_the_receive_buffer_and_counts_them(inputs)
     assert int(aux["dropped_assignments"]) == int((~kept).sum())
 
 
-def test_moe_block_ep_backend_without_mesh_matches_reference_backend():
+def test_moe_ep_backend_without_mesh_matches_reference_backend():
     params = init_moe(CONFIG, jax.random.key(4), jnp.float32)
     x = jax.random.normal(jax.random.key(5), (2, 6, CONFIG.hidden_size))
     mask = jnp.ones((2, 6), bool)
-    run = lambda config: jax.jit(lambda p, x: moe_block(p, x, mask, config))(params, x)  # noqa: E731
+
+    def run(config):  # the same weights in the MoE module of `config`
+        graph = nnx.graphdef(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.float32)))
+        return jax.jit(lambda p, x: nnx.merge(graph, p)(x, mask))(params, x)
+
     out, aux = run(CONFIG)
     want, _ = run(dataclasses.replace(CONFIG, moe_backend="reference"))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)

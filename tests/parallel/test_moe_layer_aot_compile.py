@@ -24,7 +24,7 @@ from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.model.flops import moe_flops_per_token
-from glm5_jax.model.moe import MoE, moe_block
+from glm5_jax.model.moe import MoE
 from glm5_jax.model.variables import logical_axes
 from glm5_jax.parallel.hlo_stats import hlo_stats, result_shapes
 from glm5_jax.parallel.topology import get_topology
@@ -42,7 +42,7 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
                                  moe_capacity_factor=1.0, param_dtype="bfloat16").validate()
     devices = get_topology(topology).devices()
     mesh = make_mesh(MeshConfig(expert=len(devices)), devices)
-    state = nnx.state(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.bfloat16)))
+    graph, state = nnx.split(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.bfloat16)))
     params = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
             mesh, logical_to_spec(logical_axes(v), v.shape, mesh))), state,
@@ -52,7 +52,7 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
     x = jax.ShapeDtypeStruct((rows, TOKENS_PER_CHIP, config.hidden_size), jnp.bfloat16, sharding=tokens)
 
     def loss(params, x):
-        out, _ = moe_block(params, x, jnp.ones(x.shape[:2], bool), config, mesh=mesh)
+        out, _ = nnx.merge(graph, params)(x, jnp.ones(x.shape[:2], bool), mesh=mesh)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower().compile()

@@ -1,4 +1,4 @@
-"""Sparse MQA attention over gathered latent rows (`model/sparse_latent.py`): the custom VJP and the query
+"""Sparse MQA attention over gathered latent rows (`ops/sparse_latent.py`): the custom VJP and the query
 blocks equal autodiff of the plain math, the indexer-KL target equals the plain probabilities, DSA's sparse
 stage gives the same loss and gradients with and without query blocks, and the blocks bound its memory."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.model.sparse_latent import num_query_chunks, sparse_latent_attention
+from pallas_kernels.query_chunks import num_query_chunks
+from pallas_kernels.sparse_latent import sparse_latent_attention
 from glm5_jax.model.transformer import forward, init
 from pallas_kernels import NEG_INF
 

@@ -1,0 +1,75 @@
+"""DSA's absorbed-form attention over selected latent rows, choosing the jnp path or the Pallas kernels in one
+place, with the indexer KL's targets (head-mean attention probabilities) for DSA training.
+
+Every head of a query attends over the same selected rows [c ; k_rope] (width C + R) of `rows` [B, T, C+R];
+q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
+`pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
+kernels are `pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under
+`shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.batch_local import batch_local
+from glm5_jax.ops.platform import uses_kernels
+from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
+from pallas_kernels.sparse_latent import sparse_latent_attention
+
+
+def _kernel_attention(q, rows, indices, config: ModelConfig):
+    return sparse_mla_attention(q, rows, indices, scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
+                                **config.pallas_options)
+
+
+def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
+                     mesh=None) -> jax.Array:
+    """The latent attention output [B, S, H, C] over the selected rows."""
+    if uses_kernels(config):
+        return batch_local(lambda q, rows, indices: _kernel_attention(q, rows, indices, config)[0], mesh,
+                           (q, rows, indices))
+    return sparse_latent_attention(q, rows, indices, config.softmax_scale, config.kv_lora_rank,
+                                   config.index_query_chunk)[0]
+
+
+def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
+                                 mesh=None) -> tuple[jax.Array, jax.Array]:
+    """(latent output [B, S, H, C], the head-mean probabilities at the selected keys [B, S, N] fp32, a constant).
+    The jnp path returns the target from its forward pass; the kernels rebuild it from the lse. Neither keeps
+    gathered rows for the backward."""
+    if not uses_kernels(config):
+        latent, _, target = sparse_latent_attention(q, rows, indices, config.softmax_scale, config.kv_lora_rank,
+                                                    config.index_query_chunk)
+        return latent, target
+
+    def kernels(q, rows, indices):
+        latent, lse = _kernel_attention(q, rows, indices, config)
+        target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows), indices,
+                                         jax.lax.stop_gradient(lse), scale=config.softmax_scale,
+                                         **config.pallas_options)
+        return latent, target
+
+    return batch_local(kernels, mesh, (q, rows, indices))
+
+
+def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Array, segment_ids: jax.Array, *,
+                                config: ModelConfig, mesh=None) -> tuple[jax.Array, jax.Array]:
+    """The kernels' dense warm-up: (latent output [B, S, H, C] over every visible key, the head-mean
+    probabilities over them [B, S, T] fp32). `visible` [B, S, T] must be causal within `segment_ids` [B, S].
+    The jnp path has no absorbed form of this: it takes the probabilities of the expanded attention that
+    produces its output (`glm5_jax.model.attention.MLA.attend_dense_with_target`)."""
+    if not uses_kernels(config):
+        raise ValueError(f"dense_attention_with_target runs the kernels of attention_backend "
+                         f"'pallas'; attention_backend={config.attention_backend!r} uses the expanded form")
+
+    def kernels(q, rows, visible, segment_ids):
+        every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
+        latent, _ = _kernel_attention(q, rows, every_visible, config)
+        target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows),
+                                        scale=config.softmax_scale, q_segment_ids=segment_ids,
+                                        k_segment_ids=segment_ids, **config.pallas_options)
+        return latent, target
+
+    return batch_local(kernels, mesh, (q, rows, visible, segment_ids))

@@ -1,0 +1,68 @@
+"""The lightning indexer's top-k in jnp over blocks of queries (the model's path when it runs no kernel): the
+reference's scores (`reference.indexer_scores_reference`, at the backend's default matmul precision) and its
+top-k rule (`reference.topk_from_scores`), with at most one [B, chunk, T] score block alive at a time.
+
+I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
+negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
+
+Tie-break rule: `jax.lax.top_k` returns, among equal scores, the lowest key index first. ReLU makes many
+scores exactly 0, so which of several tied keys fills the last slot follows that rule (torch.topk on CPU
+breaks such ties differently; parity tests use tie-free cases).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.reference import indexer_scores_reference, topk_from_scores
+
+
+def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                 k_segment_ids: jax.Array, q_offset: int | jax.Array = 0) -> jax.Array:
+    """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF), at the backend's default precision."""
+    return indexer_scores_reference(q, k, weights, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids,
+                                    q_offset=q_offset, precision=None)
+
+
+# Causal key bands: with q_offset 0 and as many keys as queries, the query blocks are grouped into up to this many
+# bands, each scoring only the keys up to its last query (static slices), which skips most of the masked half.
+MAX_CAUSAL_BANDS = 8
+
+
+def _causal_bands(n_chunks: int) -> int:
+    """The largest divisor of n_chunks that is <= MAX_CAUSAL_BANDS."""
+    return max(b for b in range(1, min(n_chunks, MAX_CAUSAL_BANDS) + 1) if n_chunks % b == 0)
+
+
+def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
+                query_chunk: int = 0) -> jax.Array:
+    """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
+    exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
+    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work."""
+    n_chunks = num_query_chunks(q.shape[1], query_chunk)
+    if n_chunks == 1:
+        return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+    chunk_len = q.shape[1] // n_chunks
+    width = min(topk, k.shape[1])
+
+    def blocks_over(keys, key_segments, q_, w_, seg_, first):
+        def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
+            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + rows_c[0, 0]),
+                                      topk)
+            return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
+
+        rows = first + jnp.arange(q_.shape[1])[None]
+        return map_query_chunks(chunk, q_.shape[1] // chunk_len, q_, w_, seg_, rows)
+
+    causal_self = isinstance(q_offset, int) and q_offset == 0 and q.shape[1] == k.shape[1]
+    bands = _causal_bands(n_chunks) if causal_self else 1
+    band_len = q.shape[1] // bands
+    picked = []
+    for band in range(bands):  # static key lengths: a band's queries see no key past its last query
+        q_rows, end = slice(band * band_len, (band + 1) * band_len), (band + 1) * band_len if causal_self else None
+        picked.append(blocks_over(k[:, :end], k_segment_ids[:, :end], q[:, q_rows], weights[:, q_rows],
+                                  q_segment_ids[:, q_rows], band * band_len))
+    return jnp.concatenate(picked, axis=1)

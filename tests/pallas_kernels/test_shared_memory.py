@@ -5,7 +5,6 @@ blocks and the most column parts of the sparse MLA backward, paths the regular t
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

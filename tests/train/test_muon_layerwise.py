@@ -1,7 +1,6 @@
 """Layer-wise Muon equals optax's `scale_by_muon` on stacked leaves, and keeps only one layer live."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 

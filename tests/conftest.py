@@ -8,6 +8,7 @@ start (CLI runs, 8-device checks), so a program compiled once is loaded by every
 run in this checkout. The settings travel through the environment, so subprocesses inherit them."""
 
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -62,16 +63,28 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     return units
 
 
+# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=80` at d073238
+# on 2 shared cores (load average ~10: about 4x an idle machine's; only their order is used). A test not listed
+# counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
+MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
+SLOW_SECONDS, FAST_SECONDS = 15, 1
+
+
+def _expected_seconds(item: pytest.Item) -> float:
+    if item.nodeid in MEASURED_SECONDS:
+        return MEASURED_SECONDS[item.nodeid]
+    return SLOW_SECONDS if item.get_closest_marker("slow") is not None else FAST_SECONDS
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that share a session or module fixture go to one xdist worker as one group, so its value (a
-    trained run, a compiled step, an HF checkpoint) is built once, not once per worker; and the groups and
-    tests with the most `slow` tests run first, so that no long test starts last and holds up the end of the
-    run while the other worker is idle. The order within a group is pytest's."""
+    trained run, a compiled step, an HF checkpoint) is built once, not once per worker; and the longest groups
+    and tests run first (each worker takes the next one when it is free), so that no long test starts last and
+    holds up the end of the run while the other worker is idle. The order within a group is pytest's."""
     units = _work_units(items)
-    slow_count = {key: sum(item.get_closest_marker("slow") is not None for item in unit)
-                  for key, unit in units.items()}
-    ordered = sorted(units, key=lambda key: -slow_count[key])
+    seconds = {key: sum(map(_expected_seconds, unit)) for key, unit in units.items()}
+    ordered = sorted(units, key=lambda key: -seconds[key])
     items[:] = [item for key in ordered for item in units[key]]
     for key in ordered:
         if len(units[key]) > 1:

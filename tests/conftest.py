@@ -1,4 +1,4 @@
-"""Suite-wide setup: compile fast, and compile each program once.
+"""Suite-wide setup: compile fast, compile each program once, and keep both xdist workers busy to the end.
 
 XLA's CPU backend spends most of a small model's test time compiling code that runs a few times. Level 0 skips
 LLVM's optimisations (about 3x faster to compile), and the older elemental fusion emitters compile about 30%
@@ -7,8 +7,12 @@ tests check are unchanged. Compiled programs go to a persistent cache shared wit
 start (CLI runs, 8-device checks), so a program compiled once is loaded by every later test, subprocess and
 run in this checkout. The settings travel through the environment, so subprocesses inherit them."""
 
+import inspect
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # test helpers (hf_reference.py, xla_env.py) live beside this file
@@ -19,3 +23,70 @@ from xla_env import configure_test_environment  # noqa: E402
 configure_test_environment()
 
 import glm5_jax  # noqa: E402,F401  jax imported quietly first (glm5_jax/__init__.py), whatever a test imports
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling over pytest-xdist workers (`--dist loadgroup`, set in pyproject.toml)
+# ---------------------------------------------------------------------------------------------
+
+def _shared_fixture_keys(item: pytest.Item) -> set[str]:
+    """The fixtures of this suite wider than one test that `item` uses, named by where their value lives: a
+    session fixture by its file and name, a module fixture by the test's module."""
+    keys = set()
+    for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+        definition = definitions[-1]  # the one this test gets (the closest definition)
+        source = Path(inspect.getsourcefile(definition.func) or "/").resolve()
+        if definition.scope == "function" or not source.is_relative_to(TESTS):
+            continue
+        shared = definition.scope in ("session", "package")
+        keys.add(f"{source.relative_to(TESTS.parent)}::{name}" if shared else item.nodeid.split("::")[0])
+    return keys
+
+
+def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
+    """Items joined into units that share a session or module fixture (transitively), in order of first
+    appearance; an item that shares none is a unit of its own, keyed by its node id."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    item_keys = [sorted(_shared_fixture_keys(item)) or [item.nodeid] for item in items]
+    for keys in item_keys:
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+    units: dict[str, list[pytest.Item]] = {}
+    for item, keys in zip(items, item_keys):
+        units.setdefault(root(keys[0]), []).append(item)
+    return units
+
+
+# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=80` at d073238
+# on 2 shared cores (load average ~10: about 4x an idle machine's; only their order is used). A test not listed
+# counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
+MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
+SLOW_SECONDS, FAST_SECONDS = 15, 1
+
+
+def _expected_seconds(item: pytest.Item) -> float:
+    if item.nodeid in MEASURED_SECONDS:
+        return MEASURED_SECONDS[item.nodeid]
+    return SLOW_SECONDS if item.get_closest_marker("slow") is not None else FAST_SECONDS
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that share a session or module fixture go to one xdist worker as one group, so its value (a
+    trained run, a compiled step, an HF checkpoint) is built once, not once per worker; and the longest groups
+    and tests run first (each worker takes the next one when it is free), so that no long test starts last and
+    holds up the end of the run while the other worker is idle. The order within a group is pytest's."""
+    units = _work_units(items)
+    seconds = {key: sum(map(_expected_seconds, unit)) for key, unit in units.items()}
+    ordered = sorted(units, key=lambda key: -seconds[key])
+    items[:] = [item for key in ordered for item in units[key]]
+    for key in ordered:
+        if len(units[key]) > 1:
+            for item in units[key]:
+                item.add_marker(pytest.mark.xdist_group(key))

@@ -109,11 +109,22 @@ def saved(run_dir: Path, step: int) -> tuple[list[np.ndarray], dict]:
     return [np.asarray(x) for x in jax.tree.leaves(restored["params"])], restored["data_state"]["value"]
 
 
-def test_mesh_run_equals_single_device(tmp_path):
-    train_single(tmp_path / "one", 3, 1)
-    train_single(tmp_path / "mesh", 3, 8, *MESH)
-    np.testing.assert_allclose(losses(tmp_path / "mesh"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5)
-    log = (tmp_path / "mesh" / "metrics.jsonl").read_text()
+SHARDS = "data.shards=2"  # two data streams, as the two-process runs read them
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory) -> Path:
+    """The same 3 steps on one device ("one") and on an 8-device mesh in one process ("mesh"), shared by the
+    mesh and the two-process tests (the mesh run is the one-process reference of the two-process run)."""
+    root = tmp_path_factory.mktemp("mesh_runs")
+    train_single(root / "one", 3, 1, SHARDS)
+    train_single(root / "mesh", 3, 8, *MESH, SHARDS)
+    return root
+
+
+def test_mesh_run_equals_single_device(mesh_runs):
+    np.testing.assert_allclose(losses(mesh_runs / "mesh"), losses(mesh_runs / "one"), rtol=1e-5, atol=1e-5)
+    log = (mesh_runs / "mesh" / "metrics.jsonl").read_text()
     assert len(log.splitlines()) == 3
 
 
@@ -126,23 +137,22 @@ def resumable_copy(source: Path, target: Path, step: int) -> None:
             shutil.rmtree(saved_step)
 
 
-def test_two_processes_equal_one_and_checkpoints_move_between_them(tmp_path):
-    shards = "data.shards=2"
-    train_single(tmp_path / "one", 3, 8, *MESH, shards)
-    train_multiprocess(tmp_path / "two", 3, *MESH, shards)
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5)
+def test_two_processes_equal_one_and_checkpoints_move_between_them(mesh_runs, tmp_path):
+    one_run = mesh_runs / "mesh"  # one process on the same 8 devices the two processes share; only read here
+    train_multiprocess(tmp_path / "two", 3, *MESH, SHARDS)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(one_run), rtol=1e-5, atol=1e-5)
 
     # The step-2 checkpoint saved by the 2 processes, resumed by 1; the one saved by 1 process, resumed by 2
     # (each run saved step 2 on its way to 3: a copy without step 3 is the run stopped there). The resumed runs
     # continue with the same losses and the same data position; their parameters differ from the uninterrupted
     # run's by at most an ulp, since gloo and XLA's in-process all-reduce sum in different orders.
-    one_params, one_data = saved(tmp_path / "one", 3)
-    one = lambda run_dir, steps: train_single(run_dir, steps, 8, *MESH, shards)  # noqa: E731
-    two = lambda run_dir, steps: train_multiprocess(run_dir, steps, *MESH, shards)  # noqa: E731
-    for saved_by, resume, name in (("two", one, "2to1"), ("one", two, "1to2")):
-        resumable_copy(tmp_path / saved_by, tmp_path / name, 2)
+    one_params, one_data = saved(one_run, 3)
+    one = lambda run_dir, steps: train_single(run_dir, steps, 8, *MESH, SHARDS)  # noqa: E731
+    two = lambda run_dir, steps: train_multiprocess(run_dir, steps, *MESH, SHARDS)  # noqa: E731
+    for saved_by, resume, name in ((tmp_path / "two", one, "2to1"), (one_run, two, "1to2")):
+        resumable_copy(saved_by, tmp_path / name, 2)
         resume(tmp_path / name, 3)
-        np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / "one"), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(losses(tmp_path / name), losses(one_run), rtol=1e-5, atol=1e-5)
         params, data = saved(tmp_path / name, 3)
         assert data == one_data, name
         for got, want in zip(params, one_params):
@@ -150,7 +160,7 @@ def test_two_processes_equal_one_and_checkpoints_move_between_them(tmp_path):
 
 
 def test_a_dead_process_stops_the_others(tmp_path):
-    procs = start_processes(tmp_path / "run", 400, *MESH, "data.shards=2", "distributed.heartbeat_timeout_s=10")
+    procs = start_processes(tmp_path / "run", 400, *MESH, SHARDS, "distributed.heartbeat_timeout_s=10")
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + TIMEOUT

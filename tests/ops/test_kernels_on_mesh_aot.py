@@ -10,20 +10,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from pallas_model import small_pallas_model
 
-from glm5_jax.config import ModelConfig
 from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.model.transformer import forward, init
 from glm5_jax.parallel.sharding import param_shardings
 from glm5_jax.parallel.topology import get_topology
 
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                    num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2, index_head_dim=8,
-                    index_topk=4, mtp_num_steps=1, compute_dtype="bfloat16", attention_backend="pallas",
-                    pallas_platform="tpu").validate()
+MODEL = small_pallas_model("tpu")
 BATCH, SEQ = 8, 16
 # Kernel calls per mode in one layer's forward + backward (the loss runs 2 layers and the MTP layer): the
 # indexer's top-k; sparse MLA forward and backward; in "sparse" the sparse KL target, in "dense_warmup" the dense

@@ -7,19 +7,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from pallas_model import small_pallas_model
 from aot_compile import SCOPED_VMEM_LIMIT, chip_sharding, mosaic_vmem_bytes
 
-from glm5_jax.config import ConfigError, ModelConfig, TrainConfig
+from glm5_jax.config import ConfigError, TrainConfig
 from glm5_jax.model.transformer import init
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 from glm5_jax.train.step import init_train_state, make_train_step
 
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                    num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                    num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2, index_head_dim=8,
-                    index_topk=4, mtp_num_steps=1, compute_dtype="bfloat16", attention_backend="pallas",
-                    pallas_platform="tpu").validate()
+MODEL = small_pallas_model("tpu")
 BATCH, SEQ = 2, 16
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from pallas_model import small_pallas_model
 from aot_compile import SCOPED_VMEM_LIMIT, chip_sharding, mosaic_vmem_bytes
+from pallas_model import small_pallas_model
 
 from glm5_jax.config import ConfigError, TrainConfig
 from glm5_jax.model.transformer import init

@@ -115,3 +115,10 @@ def test_the_starting_weights_are_those_of_train_init_from(trained_run):
     got = starting_params(config)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b, dtype=np.asarray(a).dtype))
+
+
+def test_the_shipped_example_config_names_the_example_task():
+    config = load_rl_async("glm5_jax/examples/rl_async_sort.yaml", ["async.steps=5"])
+    assert type(config.task).__name__ == "SortTask" and config.task.seq_len == config.experiment.train.seq_len
+    assert config.async_config.steps == 5
+    assert config.experiment.train.batch_size == config.async_config.batch_size

@@ -17,7 +17,9 @@ Starting weights: the latest checkpoint of `train.init_from=RUN` (a `glm5 train`
 import, whose model the config takes), else fresh from `async.seed`, which also draws the worker's prompts
 and sampling keys and the held-out prompts. Writes RUN_DIR/metrics.jsonl (one JSON line per trainer step:
 staleness, sampled reward, masked fraction, off-policy ratios, drops, greedy accuracy every
-`async.eval_every` steps) and RUN_DIR/summary.json.
+`async.eval_every` steps), RUN_DIR/summary.json, RUN_DIR/config.yaml (the model, optimizer, train and rl
+sections, as `glm5 train` writes it) and the final parameters and optimizer state in RUN_DIR/checkpoints/:
+the run directory is a SOURCE of `glm5 generate / eval / rollout` and a `train.init_from` of later runs.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+import yaml
 
 from glm5_jax.commands.importable import load_callable
 from glm5_jax.commands.source import CommandError
 from glm5_jax.config import ConfigError, _fail, apply_overrides, from_dict, load_yaml
 from glm5_jax.config.async_rl import AsyncRLConfig
-from glm5_jax.config.experiment import ExperimentConfig, experiment_from_dict
+from glm5_jax.config.experiment import ExperimentConfig, experiment_from_dict, experiment_to_dict
 from glm5_jax.model.transformer import init
 from glm5_jax.rollout.async_rl import require_train_fits, run_async_rl
 from glm5_jax.runner import load_params
@@ -43,7 +46,7 @@ from glm5_jax.runner import load_params
 TASK_EXAMPLE = "glm5_jax.examples.sort_task:SortTask"
 TASK_ATTRIBUTES = ("prompts", "reward", "validate", "seq_len", "answer_len", "eos")
 SECTIONS = ("model", "optim", "train", "rl", "mesh", "async", "task")
-STEPS_FILE, SUMMARY_FILE = "metrics.jsonl", "summary.json"
+STEPS_FILE, SUMMARY_FILE, CONFIG_FILE, CHECKPOINTS = "metrics.jsonl", "summary.json", "config.yaml", "checkpoints"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +127,10 @@ def starting_params(config: RLAsyncConfig):
     return params
 
 
-def run_rl_async(config: RLAsyncConfig, params, steps_path: Path,
-                 log: Callable[[dict], None] = lambda row: None) -> list[dict]:
+def run_rl_async(config: RLAsyncConfig, params, steps_path: Path, log: Callable[[dict], None] = lambda row: None,
+                 checkpoint_dir: Path | None = None) -> list[dict]:
     """RL from `params`: one JSON line per trainer step written (and flushed) to `steps_path` and passed to
-    `log`; returns the rows."""
+    `log`, the final state saved to `checkpoint_dir` when given; returns the rows."""
     experiment = config.experiment
     with Path(steps_path).open("w") as sink:
         def record(row: dict) -> None:
@@ -136,7 +139,8 @@ def run_rl_async(config: RLAsyncConfig, params, steps_path: Path,
             log(row)
 
         return run_async_rl(params, experiment.model, experiment.train, experiment.optim, experiment.rl,
-                            config.async_config, config.task, log=record, mesh=experiment.mesh)
+                            config.async_config, config.task, log=record, mesh=experiment.mesh,
+                            checkpoint_dir=checkpoint_dir)
 
 
 def summarize(rows: list[dict], window: int = 10) -> dict:
@@ -156,20 +160,23 @@ def summarize(rows: list[dict], window: int = 10) -> dict:
 
 def check_run_dir(run_dir: Path) -> None:
     """An earlier run's results are never overwritten."""
-    for name in (STEPS_FILE, SUMMARY_FILE):
+    for name in (STEPS_FILE, SUMMARY_FILE, CHECKPOINTS, CONFIG_FILE):
         if (run_dir / name).exists():
             _fail("train.run_dir", str(run_dir), f"it already holds {name} of an earlier run: choose another "
                   "train.run_dir or move that one away")
 
 
 def run_in_run_dir(config: RLAsyncConfig, log: Callable[[dict], None] = lambda row: None) -> dict:
-    """What `glm5 rl-async` runs: RL into train.run_dir (refused if it holds an earlier run's results);
-    returns the summary it writes."""
+    """What `glm5 rl-async` runs: RL into train.run_dir (refused if it holds an earlier run's results), which
+    ends as a run directory `glm5 generate / eval / rollout` and `train.init_from` read (config.yaml with the
+    model, the final checkpoint); returns the summary it writes."""
     run_dir = Path(config.experiment.train.run_dir)
     check_run_dir(run_dir)
     params = starting_params(config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    rows = run_rl_async(config, params, run_dir / STEPS_FILE, log=log)
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(json.loads(json.dumps(experiment_to_dict(config.experiment))),
+                                                      sort_keys=False))
+    rows = run_rl_async(config, params, run_dir / STEPS_FILE, log=log, checkpoint_dir=run_dir / CHECKPOINTS)
     summary = {"run_dir": str(run_dir), "steps": len(rows), **summarize(rows)}
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -23,15 +23,17 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig
 from glm5_jax.config.async_rl import AsyncRLConfig
-from glm5_jax.config.experiment import ExperimentConfig
+from glm5_jax.config.experiment import ExperimentConfig, experiment_to_dict
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.config.rl import RLStepConfig, require_rl_step_config
@@ -108,17 +110,18 @@ class RolloutWorker:
 
 def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, optim_config: OptimConfig,
                  rl_config: RLStepConfig, config: AsyncRLConfig, task,
-                 log: Callable[[dict], None] = lambda row: None,
-                 mesh: MeshConfig = MeshConfig(fsdp=-1)) -> list[dict]:
+                 log: Callable[[dict], None] = lambda row: None, mesh: MeshConfig = MeshConfig(fsdp=-1),
+                 checkpoint_dir: Path | None = None) -> list[dict]:
     """RL from `params` with a lagging worker on `mesh` (default: every device); returns (and passes to `log`)
-    one metrics row per trainer step."""
+    one metrics row per trainer step. With `checkpoint_dir` the final parameters and optimizer state are saved
+    there (a checkpoint `glm5 train`'s Checkpointer reads)."""
     config.validate()
     task.validate(model_config.vocab_size)
     rl_config = require_rl_step_config(rl_config)
     require_train_fits(train_config, config, task)
-    trainer = build_trainer(ExperimentConfig(model=model_config, optim=optim_config, train=train_config,
-                                             data=DataConfig(), checkpoint=CheckpointConfig(), mesh=mesh,
-                                             rl=rl_config))
+    experiment = ExperimentConfig(model=model_config, optim=optim_config, train=train_config, data=DataConfig(),
+                                  checkpoint=CheckpointConfig(), mesh=mesh, rl=rl_config)
+    trainer = build_trainer(experiment)
     state = trainer.state_from(params)
     worker = RolloutWorker(params, 0, model_config, task, config)
     eval_prompts = task.prompts(np.random.default_rng(config.seed + 3), config.eval_prompts)
@@ -168,4 +171,8 @@ def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, o
             worker.push(state.params, int(state.step))
         rows.append(row)
         log(row)
+    if checkpoint_dir is not None:
+        with Checkpointer(checkpoint_dir) as checkpointer:
+            checkpointer.save_if_finite(int(state.step), loss=rows[-1]["loss"], params=state.params,
+                                        opt_state=state.opt_state, config=experiment_to_dict(experiment), force=True)
     return rows

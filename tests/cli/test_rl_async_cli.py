@@ -1,6 +1,6 @@
 """`glm5 rl-async CONFIG`: a tiny config runs a few trainer steps through the command line and writes its
-per-step JSONL and summary; a bad task path or field is refused by name before anything compiles; the
-starting weights come from train.init_from when it is given."""
+per-step JSONL, summary and final checkpoint; a bad task path or field is refused by name before anything
+compiles; the starting weights come from train.init_from when it is given."""
 
 import json
 
@@ -11,9 +11,10 @@ import yaml
 
 from glm5_jax.cli import main
 from glm5_jax.commands.rl_async import load_rl_async, starting_params
+from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.convert.run_dir import restore_run_params
 from glm5_jax.distributed.mesh import make_mesh
-from glm5_jax.config.mesh import MeshConfig
+from glm5_jax.model.transformer import init
 
 TASK = "glm5_jax.examples.sort_task:SortTask"
 # One dense layer keeps the compile short; sort 3 digits: prompt 5 tokens, answer 4, sequence 9.
@@ -55,6 +56,12 @@ def test_a_tiny_config_runs_three_steps_and_writes_its_steps_and_summary(config_
     assert summary["greedy_accuracy"][0][0] == 1  # evaluated at step 1 (eval_every is beyond the run)
     out = capsys.readouterr().out
     assert json.loads(out.split("summary: ", 1)[1]) == summary
+    # The run directory holds the trained weights, as a SOURCE / train.init_from of later commands.
+    trained, model = restore_run_params(run_dir.absolute(), make_mesh(MeshConfig().resolve(1)))
+    fresh = init(load_rl_async(config_file).experiment.model, jax.random.key(0))  # async.seed 0
+    assert model == load_rl_async(config_file).experiment.model
+    assert jax.tree.structure(trained) == jax.tree.structure(fresh)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(fresh)))
     # An earlier run's results are never overwritten.
     assert main(["rl-async", str(config_file), f"train.run_dir={run_dir}"]) == 2
     assert f"train.run_dir='{run_dir}' is invalid: it already holds metrics.jsonl" in capsys.readouterr().err

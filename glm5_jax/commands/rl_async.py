@@ -103,6 +103,11 @@ def rl_async_from_dict(data: dict) -> RLAsyncConfig:
     for name in ("async", "task"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             _fail(name, data[name], f"the {name}: section must be a mapping of field: value lines")
+    train = data.get("train") if isinstance(data.get("train"), dict) else {}  # a bad section: refused below
+    for name in ("steps", "seed"):  # the driver's own; train's would be silently ignored
+        if name in train:
+            _fail(f"train.{name}", train[name], f"glm5 rl-async takes async.{name} instead; leave "
+                  f"train.{name} out")
     experiment = experiment_from_dict({name: value for name, value in data.items() if name not in ("async", "task")})
     async_config = from_dict(AsyncRLConfig, data.get("async") or {}, prefix="async.").validate()
     task = build_task(data.get("task"), experiment.model.vocab_size)

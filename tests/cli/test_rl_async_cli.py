@@ -86,6 +86,7 @@ def test_a_tiny_config_runs_three_steps_and_writes_its_steps_and_summary(config_
                              "'rl', train.batch_size = prompts_per_step * group_size = 4"),
     (["train.seq_len=12"], "train.seq_len=12 is invalid here"),
     (["train.mode=sft"], "train.mode='sft' is invalid here"),
+    (["train.steps=50"], "train.steps=50 is invalid: glm5 rl-async takes async.steps instead"),
     (["rl.loss=ppo"], "loss='ppo' is invalid: must be one of ['double_sided_is', 'icepop_grpo', 'tis']"),
     (["data.source=stdlib"], "data={'source': 'stdlib'} is invalid: unknown section of glm5 rl-async; known "
                              "sections are ['model', 'optim', 'train', 'rl', 'mesh', 'async', 'task']"),

@@ -13,6 +13,7 @@
     glm5 eval SOURCE DATA [key=value ...] [--mode pretrain|sft] [--batches N] [--step N] [--tokenizer SPEC]
     glm5 rollout SOURCE PROMPTS.jsonl --out FILE --reward module:function [--samples N] [--append] [--routing]
                  [sampling and prompt options as generate] [--batch-prompts N]
+    glm5 rl-async CONFIG [section.key=value ...]
 
 A user error (config, data, resume, lock, plan settings, ...) ends with one `glm5 <command>: ...` line naming
 the file or field, the value and what is valid, and exit code 2.
@@ -28,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from glm5_jax.commands import evaluate, generate, prompts, rollout  # their docstrings are the --help texts
+from glm5_jax.commands import evaluate, generate, prompts, rl_async, rollout  # their docstrings are the --help texts
 from glm5_jax.commands.evaluate import EVAL_MODES, eval_config, run_eval
 from glm5_jax.commands.generate import GenerateOptions, run_generate
 from glm5_jax.commands.prompts import THINKING_MODES, read_prompts
@@ -175,6 +176,13 @@ def _cmd_rollout(args) -> int:
     return 0
 
 
+def _cmd_rl_async(args) -> int:
+    config = rl_async.load_rl_async(args.config, args.overrides)
+    summary = rl_async.run_in_run_dir(config, log=lambda row: print(json.dumps(row), flush=True))
+    print("summary: " + json.dumps(summary))
+    return 0
+
+
 def _add_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a run directory (glm5 train / glm5 import-hf) or a Hugging Face checkpoint "
                                   "directory (config.json + safetensors)")
@@ -305,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p, temperature=1.0)
     _add_model_options(p)
     p.set_defaults(func=_cmd_rollout, errors=(ValueError, FileNotFoundError), intermixed_parser=p)
+
+    p = sub.add_parser("rl-async", help="asynchronous off-policy RL on a task given as module:function, from a "
+                       "config file", description=rl_async.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML with sections model/optim/train/rl/mesh/async/task")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. async.steps=20 task.num_digits=3")
+    p.set_defaults(func=_cmd_rl_async, errors=(ValueError,))
     return parser
 
 

@@ -2,9 +2,10 @@
 
 The sparse MLA attention and the indexer's scores and top-k are the same jnp code the model runs when it runs
 no kernel (`sparse_latent.py`, `chunked_topk.py`: one implementation per operation); here they compute at
-HIGHEST matmul precision, the model at the backend's default. The KL targets' references exist for the kernels
-only: the model's jnp path takes its targets from its attention's own probabilities. They materialise what the
-kernels avoid ([B, S, N, C+R] gathered rows, [B, S, I, T] / [B, H, S, T] score tensors), so use them for tests
+HIGHEST matmul precision, the model at the backend's default. The dense KL target's softmax and head mean are
+the model's own code too (`dense_target.py`: the model applies them to its expanded attention's probabilities);
+the sparse target's reference exists for the kernel only (the model's jnp path takes it from its attention's
+forward). They materialise what the kernels avoid ([B, S, N, C+R] gathered rows, [B, S, I, T] / [B, H, S, T] score tensors), so use them for tests
 and small shapes. Block sizes, chunk sizes and `interpret` are accepted for drop-in compatibility and have no
 effect here.
 """
@@ -16,21 +17,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NEG_INF, positions_and_segments
+from pallas_kernels.dense_target import head_mean_target, visible_softmax
 from pallas_kernels.sparse_latent import sparse_latent_attention
 
 HIGHEST = lax.Precision.HIGHEST
-
-
-def _safe_softmax_stats(logits: jax.Array, valid: jax.Array):
-    """Probabilities and lse along the last axis; rows without a valid entry give p = 0, lse = NEG_INF."""
-    logits = jnp.where(valid, logits, NEG_INF)
-    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # softmax is shift-invariant
-    p = jnp.where(valid, jnp.exp(logits - row_max), 0.0)
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    has_valid = total > 0
-    safe_total = jnp.where(has_valid, total, 1.0)
-    lse = jnp.where(has_valid, row_max + jnp.log(safe_total), NEG_INF)[..., 0]
-    return p / safe_total, lse
 
 
 def _gather_selected(latent: jax.Array, indices: jax.Array):
@@ -97,12 +87,12 @@ def sparse_attention_target_reference(q, latent, indices, lse, *, scale, block_n
 
 def dense_attention_target_reference(q, latent, *, scale, q_segment_ids=None, k_segment_ids=None, q_offset=0,
                                      block_s=None, block_t=64, interpret=None):
-    """The same over every visible key: L1-normalised head sum of the dense softmax; [B, S, T] fp32."""
+    """The same over every visible key: the head mean of the dense softmax (`dense_target`, the model's own
+    code); [B, S, T] fp32."""
     batch, q_len = q.shape[:2]
     k_len = latent.shape[1]
     logits = jnp.einsum("BSHX,BTX->BHST", q.astype(jnp.float32), latent.astype(jnp.float32),
                         precision=HIGHEST) * scale
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     visible = (jnp.arange(k_len)[None, None, :] <= q_pos[None, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    p, _ = _safe_softmax_stats(logits, visible[:, None])
-    return _l1_normalise(jnp.sum(p, axis=1))
+    return head_mean_target(visible_softmax(logits, visible[:, None]))

@@ -1,4 +1,5 @@
-"""Run the asynchronous RL experiment: one SFT, then every variant of config.yaml from the SFT weights.
+"""Run the asynchronous RL experiment: one SFT, then every variant of config.yaml from the SFT weights, each
+through the library function `glm5 rl-async` runs (glm5_jax.commands.rl_async.run_rl_async).
 
     python experiments/rl_async/run.py [--config experiments/rl_async/config.yaml] [--out DIR] [section.key=value ...]
 
@@ -19,37 +20,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments.rl_async.sort_task import SortTask, sft
-from glm5_jax.config import ModelConfig, TrainConfig, _deep_update, apply_overrides, from_dict, load_yaml
+from experiments.rl_async.sort_task import sft
+from glm5_jax.commands.rl_async import rl_async_from_dict, run_rl_async, summarize
+from glm5_jax.config import ModelConfig, _deep_update, apply_overrides, load_yaml
 from glm5_jax.config.async_rl import AsyncRLConfig
-from glm5_jax.config.optim import OptimConfig
-from glm5_jax.config.rl import rl_step_config_from_dict
 from glm5_jax.model.transformer import init
-from glm5_jax.rollout.async_rl import greedy_accuracy, run_async_rl
+from glm5_jax.rollout.async_rl import greedy_accuracy
 
 HERE = Path(__file__).resolve().parent
 
 
 def _sections(data: dict):
-    model = from_dict(ModelConfig, data["model"], prefix="model.").validate()
-    task = from_dict(SortTask, data.get("task", {}), prefix="task.").validate(model.vocab_size)
-    return (model, task, from_dict(OptimConfig, data["optim"], prefix="optim."),
-            from_dict(TrainConfig, data["train"], prefix="train.").validate(),
-            rl_step_config_from_dict(data["rl"]), from_dict(AsyncRLConfig, data["async"], prefix="async.").validate())
-
-
-def _summary(rows: list[dict], window: int = 10) -> dict:
-    evals = [(r["step"], r["greedy_accuracy"]) for r in rows if "greedy_accuracy" in r]
-    return {
-        "sampled_reward_first": float(np.mean([r["reward_mean"] for r in rows[:window]])),
-        "sampled_reward_last": float(np.mean([r["reward_mean"] for r in rows[-window:]])),
-        "greedy_accuracy": evals,
-        "masked_frac_mean": float(np.mean([r["masked_frac"] for r in rows])),
-        "would_mask_frac_mean": float(np.mean([r["would_mask_frac"] for r in rows])),
-        "staleness_seen": sorted({r["staleness"] for r in rows}),
-        "dropped_stale": rows[-1]["dropped_stale"],
-        "wall_s": rows[-1]["wall_s"],
-    }
+    """(model, task, optim, train, rl, async) of the config `data` (its variants: section, this experiment's
+    own, left aside), parsed and checked as `glm5 rl-async` does."""
+    config = rl_async_from_dict({name: section for name, section in data.items() if name != "variants"})
+    experiment = config.experiment
+    return (experiment.model, config.task, experiment.optim, experiment.train, experiment.rl,
+            config.async_config)
 
 
 def initial_params(model: ModelConfig, config: AsyncRLConfig):
@@ -83,16 +70,9 @@ def main(argv=None) -> int:
     for name, changes in variants.items():
         data = copy.deepcopy(base)
         _deep_update(data, changes)
-        model, task, optim, train, rl, async_config = _sections(data)
-        path = out / f"{name}.jsonl"
-        with path.open("w") as sink:
-            def log(row, sink=sink):
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-                print(json.dumps({"variant": name, **row}), flush=True)
-
-            rows = run_async_rl(params, model, train, optim, rl, async_config, task, log=log)
-        summary[name] = _summary(rows)
+        rows = run_rl_async(rl_async_from_dict(data), params, out / f"{name}.jsonl",
+                            log=lambda row, name=name: print(json.dumps({"variant": name, **row}), flush=True))
+        summary[name] = summarize(rows)
     summary["total_wall_s"] = round(time.perf_counter() - start, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary), flush=True)

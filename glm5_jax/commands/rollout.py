@@ -21,7 +21,6 @@ uninterrupted one would (same --batch-prompts). Without `--append` an existing F
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from glm5_jax.commands.generate import GenerateOptions, batches, run_batch
+from glm5_jax.commands.importable import load_callable
 from glm5_jax.commands.prompts import Prompt, check_context
 from glm5_jax.commands.source import CommandError, ModelSource, decode_text
 from glm5_jax.config.rl import RLConfig
@@ -41,19 +41,7 @@ from glm5_jax.generation import to_rollout_records
 
 def load_reward(spec: str) -> Callable:
     """The function named by `module:function` (imported now, before any model is read)."""
-    module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name:
-        raise CommandError(f"--reward={spec!r} is invalid: expected module:function, e.g. "
-                           "glm5_jax.examples.rewards:python_expression")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise CommandError(f"--reward={spec!r}: cannot import module {module_name!r} ({err})") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise CommandError(f"--reward={spec!r}: module {module_name!r} has no function {name!r}; it has {public}")
-    return function
+    return load_callable(spec, field="--reward", example="glm5_jax.examples.rewards:python_line")
 
 
 def score(reward: Callable, text: str, prompt: Prompt, sample: int) -> float:

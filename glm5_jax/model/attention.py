@@ -23,7 +23,7 @@ from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
 from glm5_jax.ops.platform import uses_kernels
 from glm5_jax.ops.sparse_attention import dense_attention_with_target, sparse_attention, sparse_attention_with_target
-from pallas_kernels import NEG_INF
+from pallas_kernels.dense_target import head_mean_target, visible_softmax
 from pallas_kernels.masks import selected_mask, visible_keys
 
 # Hugging Face uses eps 1e-6 for the two latent norms (q_a_layernorm, kv_a_layernorm).
@@ -103,10 +103,7 @@ class MLA(nnx.Module):
         keys = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
         logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
-        logits = jnp.where(allowed[:, None], logits * config.softmax_scale, NEG_INF)
-        probs = jax.nn.softmax(logits, axis=-1)
-        # A query with no allowed key (e.g. a padding row) outputs zeros, not a uniform average.
-        probs = jnp.where(allowed[:, None].any(-1, keepdims=True), probs, 0.0).astype(dtype)
+        probs = visible_softmax(logits * config.softmax_scale, allowed[:, None]).astype(dtype)
         out = jnp.einsum("BHST,BTHP->BSHP", probs, values)
         return (out, probs) if return_probs else out
 
@@ -149,7 +146,7 @@ class MLA(nnx.Module):
         the expanded form returns its probabilities with its output; the kernels work in the absorbed form."""
         if not uses_kernels(self.config):
             heads, probs = self.expanded_attention(proj, visible, return_probs=True)
-            return self.output_projection(heads), probs.astype(jnp.float32).mean(1)
+            return self.output_projection(heads), head_mean_target(probs)
         latent, target = dense_attention_with_target(self.absorbed_queries(proj), proj.rows, visible, segment_ids,
                                                      config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.config import REMAT_POLICIES, ModelConfig, TrainConfig
 from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
@@ -42,7 +42,8 @@ from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.layers import rope_angles
-from glm5_jax.model.transformer import forward, layer_modules
+from glm5_jax.model.transformer import layer_modules
+from glm5_jax.train.objective import LMObjective
 from glm5_jax.train.optim import make_optimizer
 from glm5_jax.tree_paths import path_names
 
@@ -168,18 +169,15 @@ def _residual_bytes(fn, inputs: tuple, exclude: int) -> int:
     return sum(_nbytes(v.aval) for v in counted)
 
 
-def _mean_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
-
-
 def planning_loss(params, tokens: jax.Array, config: ModelConfig) -> jax.Array:
-    """Next-token cross-entropy of the main head plus that of every MTP depth (what training backpropagates)."""
-    out = forward(params, tokens, config=config)
-    loss = _mean_cross_entropy(out.logits, tokens)
-    if out.mtp_logits is not None:
-        loss = loss + _mean_cross_entropy(out.mtp_logits, jnp.broadcast_to(tokens, out.mtp_logits.shape[:-1]))
-    return loss
+    """The training objective on whole rows of `tokens` (glm5_jax.train.objective, mode pretrain: next-token
+    and MTP cross-entropy, balance loss), so what AD keeps for the backward is what the training step keeps."""
+    batch_size, seq = tokens.shape
+    objective = LMObjective(config, TrainConfig(mode="pretrain", batch_size=batch_size, seq_len=seq))
+    whole = jnp.ones_like(tokens)
+    batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq), tokens.shape),
+             "segment_ids": whole, "loss_mask": whole}
+    return objective(params, batch, objective.denominators(batch))[0]
 
 
 def _layer_residual_bytes(config: ModelConfig, params, kind: str, batch: int, seq: int) -> int:

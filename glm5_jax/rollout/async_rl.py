@@ -9,8 +9,8 @@ is replaced by the next one in the queue and a fresh one is generated). GLM-5's 
 overlap the same way, with the queue in the data buffer.
 
 The task is any object with `prompts(rng, n)`, `reward(prompt, response)`, `validate(vocab_size)`,
-`seq_len`, `answer_len` and `eos` (experiments/rl_async/sort_task.py: sort a list of digits, reward 1 for the
-exact sorted list followed by EOS).
+`seq_len`, `answer_len` and `eos` (glm5_jax/examples/sort_task.py: sort a list of digits, reward 1 for the
+exact sorted list followed by EOS). `glm5 rl-async` runs it from a config file (glm5_jax/commands/rl_async.py).
 
 `importance_correction: false` is the comparison run without any correction: the trainer overwrites the
 recorded rollout logprobs with its own current logprobs, so every ratio is 1 and the update is plain
@@ -23,15 +23,18 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.checkpoint import Checkpointer
 from glm5_jax.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig
 from glm5_jax.config.async_rl import AsyncRLConfig
-from glm5_jax.config.experiment import ExperimentConfig
+from glm5_jax.config.experiment import ExperimentConfig, experiment_to_dict
+from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.config.rl import RLStepConfig, require_rl_step_config
 from glm5_jax.generation import SamplingParams, generate, to_rollout_records
@@ -44,6 +47,18 @@ from glm5_jax.train.rl_step import rl_batch
 def copy_tree(tree):
     """A copy of every leaf: the worker must not see the trainer's later (donated) updates."""
     return jax.tree.map(jnp.copy, tree)
+
+
+def require_train_fits(train_config: TrainConfig, config: AsyncRLConfig, task) -> None:
+    """The trainer's batch is one worker batch: mode rl, `prompts_per_step * group_size` rows of the task's
+    sequence length."""
+    wanted = {"mode": "rl", "batch_size": config.batch_size, "seq_len": task.seq_len}
+    for name, value in wanted.items():
+        if getattr(train_config, name) != value:
+            raise ConfigError(f"train.{name}={getattr(train_config, name)!r} is invalid here: the asynchronous RL "
+                              f"driver needs train.mode 'rl', train.batch_size = prompts_per_step * group_size = "
+                              f"{config.batch_size} (async: section) and train.seq_len = {task.seq_len} (the task's "
+                              "prompt and answer)")
 
 
 def greedy_accuracy(params, model_config: ModelConfig, task, prompts: np.ndarray) -> float:
@@ -95,17 +110,18 @@ class RolloutWorker:
 
 def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, optim_config: OptimConfig,
                  rl_config: RLStepConfig, config: AsyncRLConfig, task,
-                 log: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """RL from `params` with a lagging worker; returns (and passes to `log`) one metrics row per trainer step."""
+                 log: Callable[[dict], None] = lambda row: None, mesh: MeshConfig = MeshConfig(fsdp=-1),
+                 checkpoint_dir: Path | None = None) -> list[dict]:
+    """RL from `params` with a lagging worker on `mesh` (default: every device); returns (and passes to `log`)
+    one metrics row per trainer step. With `checkpoint_dir` the final parameters and optimizer state are saved
+    there (a checkpoint `glm5 train`'s Checkpointer reads)."""
     config.validate()
     task.validate(model_config.vocab_size)
     rl_config = require_rl_step_config(rl_config)
-    if train_config.mode != "rl" or train_config.batch_size != config.batch_size \
-            or train_config.seq_len != task.seq_len:
-        raise ConfigError(f"train={train_config!r} is invalid here: needs mode 'rl', batch_size = "
-                          f"prompts_per_step * group_size = {config.batch_size}, seq_len = {task.seq_len}")
-    trainer = build_trainer(ExperimentConfig(model=model_config, optim=optim_config, train=train_config,
-                                             data=DataConfig(), checkpoint=CheckpointConfig(), rl=rl_config))
+    require_train_fits(train_config, config, task)
+    experiment = ExperimentConfig(model=model_config, optim=optim_config, train=train_config, data=DataConfig(),
+                                  checkpoint=CheckpointConfig(), mesh=mesh, rl=rl_config)
+    trainer = build_trainer(experiment)
     state = trainer.state_from(params)
     worker = RolloutWorker(params, 0, model_config, task, config)
     eval_prompts = task.prompts(np.random.default_rng(config.seed + 3), config.eval_prompts)
@@ -155,4 +171,8 @@ def run_async_rl(params, model_config: ModelConfig, train_config: TrainConfig, o
             worker.push(state.params, int(state.step))
         rows.append(row)
         log(row)
+    if checkpoint_dir is not None:
+        with Checkpointer(checkpoint_dir) as checkpointer:
+            checkpointer.save_if_finite(int(state.step), loss=rows[-1]["loss"], params=state.params,
+                                        opt_state=state.opt_state, config=experiment_to_dict(experiment), force=True)
     return rows

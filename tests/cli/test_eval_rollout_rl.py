@@ -16,8 +16,11 @@ from glm5_jax.data.rollouts import make_batch, read_rollouts, validate_records
 from glm5_jax.model.token_logprobs import token_logprobs
 from glm5_jax.model.transformer import forward
 
-PROMPTS = [{"id": "first", "prompt": "def f(x):\n    return "}, {"id": "second", "prompt": "import "},
-           {"id": "third", "prompt": "x = ["}]
+# Prompts of one length (21 bytes) rolled out one prompt per batch with the same sampling options: every batch
+# of both rollout tests has the same shapes, so generation compiles once for the file.
+PROMPTS = [{"id": "first", "prompt": "def f(x):\n    return "}, {"id": "second", "prompt": "import os.path as osp"},
+           {"id": "third", "prompt": "x = [1, 2, 3, 4, 5, 6"}]
+SAMPLING = ("--samples", "2", "--max-new-tokens", "6", "--batch-prompts", "1", "--routing")
 REWARD = "glm5_jax.examples.rewards:python_line"
 
 
@@ -51,8 +54,7 @@ def test_rollouts_are_on_policy_continue_without_duplicates_and_train_rl(trained
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
     out = tmp_path / "rollouts.jsonl"
-    common = ("--reward", REWARD, "--samples", "2", "--max-new-tokens", "6", "--batch-prompts", "1",
-              "--routing", "--out", str(out))
+    common = ("--reward", REWARD, *SAMPLING, "--out", str(out))
     first = run_cli("rollout", str(run_dir), str(prompts), *common)
     assert first.returncode == 0, first.stderr[-3000:]
     records = read_rollouts(out)
@@ -89,8 +91,7 @@ def test_a_failing_reward_names_its_record_and_leaves_only_whole_batches(trained
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "rollouts.jsonl"
-    done = run_cli("rollout", str(run_dir), str(prompts), "--out", str(out), "--samples", "2",
-                   "--max-new-tokens", "4", "--batch-prompts", "1",
+    done = run_cli("rollout", str(run_dir), str(prompts), "--out", str(out), *SAMPLING,
                    "--reward", "tests.cli.reward_functions:fails_on_second_prompt")
     assert done.returncode == 2
     assert f"raised KeyError: 'answer' for prompt 'second' ({prompts}:2), sample 0" in done.stderr

@@ -207,6 +207,10 @@ def test_topk_tie_break_takes_the_lowest_index_first():
     np.testing.assert_array_equal(indexer.topk_from_scores(masked, 3), [[[0, -1, -1]]])
 
 
+# Jitted as the model runs it: one program per call, where op by op every band's `lax.map` compiles on its own.
+select_topk = jax.jit(indexer.select_topk, static_argnames=("topk", "q_offset", "query_chunk"))
+
+
 @pytest.mark.parametrize("seq, query_chunk, topk", [(16, 4, 5), (48, 4, 7), (48, 6, 9), (40, 4, 40)])
 def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
     """Blocks of queries grouped into causal key bands (up to 8; 48 / 6 gives 8 bands of 6 queries, 48 / 4 gives
@@ -216,13 +220,13 @@ def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
     k = jax.random.normal(jax.random.key(11), (2, seq, 8))
     w = jax.random.normal(jax.random.key(12), (2, seq, 4))
     seg = jnp.stack([jnp.ones(seq, jnp.int32), jnp.repeat(jnp.arange(4), seq // 4)])
-    full = indexer.select_topk(q, k, w, seg, seg, topk)
-    chunked = indexer.select_topk(q, k, w, seg, seg, topk, query_chunk=query_chunk)
+    full = select_topk(q, k, w, seg, seg, topk)
+    chunked = select_topk(q, k, w, seg, seg, topk, query_chunk=query_chunk)
     assert chunked.shape == full.shape == (2, seq, topk)
     np.testing.assert_array_equal(full, chunked)
     # With a query offset (queries after a prefix) the bands are off and every block scores every key.
-    offset = indexer.select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg, topk, seq // 2,
-                                 query_chunk=query_chunk)
+    offset = select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg, topk, seq // 2,
+                         query_chunk=query_chunk)
     np.testing.assert_array_equal(full[:, seq // 2:], offset)
 
 

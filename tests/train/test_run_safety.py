@@ -206,7 +206,7 @@ def _like(run_dir):
     from glm5_jax.train.optim import make_optimizer
 
     cfg = load_experiment(run_dir.parent / "exp.yaml")
-    params = jax.eval_shape(init, cfg.model, jax.random.key(0))
+    params = jax.eval_shape(lambda: init(cfg.model, jax.random.key(0)))
     opt_state = jax.eval_shape(make_optimizer(cfg.optim, params, config=cfg.model).init, params)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     on_device = lambda tree: jax.tree.map(  # noqa: E731

@@ -150,7 +150,8 @@ def _prompts(args, source, path: str | None):
 
 def _cmd_generate(args) -> int:
     source = load_source(args.source, step=args.step, mesh_items=args.mesh, tokenizer=args.tokenizer)
-    run_generate(source, _prompts(args, source, args.prompts), _sampling_options(args, source), as_json=args.json)
+    run_generate(source, _prompts(args, source, args.prompts), _sampling_options(args, source), as_json=args.json,
+                 out=sys.stdout, log=sys.stderr)  # the streams of now, for a caller that redirects them
     return 0
 
 
@@ -158,7 +159,7 @@ def _cmd_eval(args) -> int:
     mesh_items = [item for item in args.overrides if item.startswith("mesh.")]
     source = load_source(args.source, step=args.step, mesh_items=mesh_items, tokenizer=args.tokenizer)
     cfg = eval_config(source, args.data, [o for o in args.overrides if not o.startswith("mesh.")], args.mode)
-    summary = run_eval(source, cfg, batches=args.batches)
+    summary = run_eval(source, cfg, batches=args.batches, log=sys.stderr)
     print(json.dumps(summary))
     return 0
 
@@ -171,7 +172,7 @@ def _cmd_rollout(args) -> int:
     options = _sampling_options(args, source, collect_routing=args.routing)
     summary = run_rollout(source, _prompts(args, source, args.prompts), options, reward=reward,
                           samples=args.samples, out=Path(args.out), existing=existing,
-                          batch_prompts=args.batch_prompts)
+                          batch_prompts=args.batch_prompts, log=sys.stderr)
     print(json.dumps(summary))
     return 0
 

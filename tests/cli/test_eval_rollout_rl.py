@@ -1,12 +1,13 @@
 """`glm5 eval` and `glm5 rollout` through the command line, and `glm5 train` in RL mode on the rollouts with
-the model taken from train.init_from (configs/rl_grpo_icepop.yaml has no model section)."""
+the model taken from train.init_from (configs/rl_grpo_icepop.yaml has no model section). The commands run in
+the test process (`run_cli`): none of them needs a fresh one."""
 
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cli_subprocess import run_glm5
+from cli_in_process import run_cli
 from xla_env import REPO
 
 from glm5_jax.commands.source import load_source
@@ -15,15 +16,18 @@ from glm5_jax.data.rollouts import make_batch, read_rollouts, validate_records
 from glm5_jax.model.token_logprobs import token_logprobs
 from glm5_jax.model.transformer import forward
 
-PROMPTS = [{"id": "first", "prompt": "def f(x):\n    return "}, {"id": "second", "prompt": "import "},
-           {"id": "third", "prompt": "x = ["}]
+# Prompts of one length (21 bytes) rolled out one prompt per batch with the same sampling options: every batch
+# of both rollout tests has the same shapes, so generation compiles once for the file.
+PROMPTS = [{"id": "first", "prompt": "def f(x):\n    return "}, {"id": "second", "prompt": "import os.path as osp"},
+           {"id": "third", "prompt": "x = [1, 2, 3, 4, 5, 6"}]
+SAMPLING = ("--samples", "2", "--max-new-tokens", "6", "--batch-prompts", "1", "--routing")
 REWARD = "glm5_jax.examples.rewards:python_line"
 
 
 @pytest.mark.slow
 def test_eval_loss_equals_the_training_runs_held_out_loss(trained_run):
     run_dir, summary = trained_run
-    done = run_glm5("eval", str(run_dir), str(run_dir / "config.yaml"))
+    done = run_cli("eval", str(run_dir), str(run_dir / "config.yaml"))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["split"] == "validation" and result["batches"] == 2
@@ -50,9 +54,8 @@ def test_rollouts_are_on_policy_continue_without_duplicates_and_train_rl(trained
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:2]))
     out = tmp_path / "rollouts.jsonl"
-    common = ("--reward", REWARD, "--samples", "2", "--max-new-tokens", "6", "--batch-prompts", "1",
-              "--routing", "--out", str(out))
-    first = run_glm5("rollout", str(run_dir), str(prompts), *common)
+    common = ("--reward", REWARD, *SAMPLING, "--out", str(out))
+    first = run_cli("rollout", str(run_dir), str(prompts), *common)
     assert first.returncode == 0, first.stderr[-3000:]
     records = read_rollouts(out)
     validate_records(records, vocab_size=288)
@@ -62,9 +65,9 @@ def test_rollouts_are_on_policy_continue_without_duplicates_and_train_rl(trained
 
     # Continuing: the prompts already rolled out are skipped, a new one is added; without --append: refused.
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    refused = run_glm5("rollout", str(run_dir), str(prompts), *common)
+    refused = run_cli("rollout", str(run_dir), str(prompts), *common)
     assert refused.returncode == 2 and "exists: pass --append" in refused.stderr
-    more = run_glm5("rollout", str(run_dir), str(prompts), *common, "--append")
+    more = run_cli("rollout", str(run_dir), str(prompts), *common, "--append")
     assert more.returncode == 0, more.stderr[-3000:]
     assert "2 of 3 prompts already in" in more.stderr
     records = read_rollouts(out)
@@ -72,9 +75,9 @@ def test_rollouts_are_on_policy_continue_without_duplicates_and_train_rl(trained
     recomputed, recorded = _recomputed_logprobs(run_dir, records)
     np.testing.assert_allclose(recomputed, recorded, atol=1e-5)
 
-    rl = run_glm5("train", str(REPO / "configs" / "rl_grpo_icepop.yaml"), "data.source=rollouts",
-                  f"data.paths=[{out}]", f"train.init_from={run_dir}", f"train.run_dir={tmp_path / 'rl'}",
-                  "train.batch_size=6", "train.seq_len=64", "train.microbatches=1", "train.steps=1")
+    rl = run_cli("train", str(REPO / "configs" / "rl_grpo_icepop.yaml"), "data.source=rollouts",
+                 f"data.paths=[{out}]", f"train.init_from={run_dir}", f"train.run_dir={tmp_path / 'rl'}",
+                 "train.batch_size=6", "train.seq_len=64", "train.microbatches=1", "train.steps=1")
     assert rl.returncode == 0, rl.stderr[-3000:]
     step = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["loss_tokens"] == sum(len(r.response_ids) for r in records)
@@ -88,9 +91,8 @@ def test_a_failing_reward_names_its_record_and_leaves_only_whole_batches(trained
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "rollouts.jsonl"
-    done = run_glm5("rollout", str(run_dir), str(prompts), "--out", str(out), "--samples", "2",
-                    "--max-new-tokens", "4", "--batch-prompts", "1",
-                    "--reward", "tests.cli.reward_functions:fails_on_second_prompt")
+    done = run_cli("rollout", str(run_dir), str(prompts), "--out", str(out), *SAMPLING,
+                   "--reward", "tests.cli.reward_functions:fails_on_second_prompt")
     assert done.returncode == 2
     assert f"raised KeyError: 'answer' for prompt 'second' ({prompts}:2), sample 0" in done.stderr
     assert [r.rollout_id for r in read_rollouts(out)] == ["first/0", "first/1"]
@@ -106,8 +108,8 @@ def test_eval_sft_mode_scores_only_the_assistant_tokens(trained_run, tmp_path):
     chat.write_text(json.dumps(record) + "\n")
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"text": "name a module: os"}) + "\n")
-    runs = {mode: run_glm5("eval", str(run_dir), str(path), "--mode", mode, "--batches", "1",
-                           "train.seq_len=64", "train.batch_size=2")
+    runs = {mode: run_cli("eval", str(run_dir), str(path), "--mode", mode, "--batches", "1",
+                          "train.seq_len=64", "train.batch_size=2")
             for mode, path in (("sft", chat), ("pretrain", plain))}
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,6 @@
 """`glm5 generate` through the command line: the library's decode loop at the same seed, MTP speculative
-decoding's greedy tokens, HF `generate` from a Hugging Face checkpoint directory, and a two-device mesh."""
+decoding's greedy tokens, HF `generate` from a Hugging Face checkpoint directory, and a two-device mesh. The
+commands run in the test process (`run_cli`), except the two-device one (a device count needs a new process)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from cli_subprocess import run_glm5
+from cli_in_process import run_cli
 from xla_env import REPO, subprocess_env
 
 from glm5_jax.commands.source import load_source, stop_ids
@@ -37,8 +38,8 @@ def _records(stdout: str) -> list[dict]:
 def test_generate_gives_the_library_decode_loop_tokens_at_the_same_seed(trained_run, tmp_path):
     run_dir, _ = trained_run
     prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    done = run_glm5("generate", str(run_dir), "--prompts", str(prompts), "--json", "--max-new-tokens", "6",
-                    "--temperature", "1", "--seed", "3")
+    done = run_cli("generate", str(run_dir), "--prompts", str(prompts), "--json", "--max-new-tokens", "6",
+                   "--temperature", "1", "--seed", "3")
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
     assert [r["id"] for r in records] == ["a", "b"]
@@ -61,10 +62,11 @@ def test_generate_gives_the_library_decode_loop_tokens_at_the_same_seed(trained_
 def test_speculative_greedy_tokens_equal_plain_greedy_tokens(trained_run, tmp_path):
     run_dir, _ = trained_run
     prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    common = ("generate", str(run_dir), "--prompts", str(prompts), "--json", "--max-new-tokens", "8",
+    # The plain run has the shapes of the other tests' runs on PROMPTS (6 new tokens): compiled once for all.
+    common = ("generate", str(run_dir), "--prompts", str(prompts), "--json", "--max-new-tokens", "6",
               "--temperature", "0")
-    plain = run_glm5(*common)
-    drafted = run_glm5(*common, "--speculative", "2")
+    plain = run_cli(*common)
+    drafted = run_cli(*common, "--speculative", "2")
     assert plain.returncode == 0 and drafted.returncode == 0, (plain.stderr + drafted.stderr)[-3000:]
     assert [r["tokens"] for r in _records(drafted.stdout)] == [r["tokens"] for r in _records(plain.stdout)]
     assert "tokens per verify forward" in drafted.stderr and "of 2 drafts accepted" in drafted.stderr
@@ -74,7 +76,7 @@ def test_speculative_greedy_tokens_equal_plain_greedy_tokens(trained_run, tmp_pa
 def test_a_single_prompt_is_streamed_as_text(trained_run):
     run_dir, _ = trained_run
     relative = os.path.relpath(run_dir, REPO)  # as a user types it (the command runs in REPO)
-    done = run_glm5("generate", relative, "--prompt", "class ", "--max-new-tokens", "5", "--temperature", "0")
+    done = run_cli("generate", relative, "--prompt", "class ", "--max-new-tokens", "5", "--temperature", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     source = load_source(run_dir)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=5, eos_ids=stop_ids(source))
@@ -90,8 +92,8 @@ def test_greedy_from_a_hugging_face_checkpoint_equals_hf_generate(tmp_path):
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, 160, 14).tolist(), rng.randint(0, 160, 9).tolist()]  # longer than index_topk 8
     file = _write_prompts(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in prompts])
-    done = run_glm5("generate", str(tmp_path / "hf"), "--prompts", str(file), "--json", "--max-new-tokens", "6",
-                    "--temperature", "0")
+    done = run_cli("generate", str(tmp_path / "hf"), "--prompts", str(file), "--json", "--max-new-tokens", "6",
+                   "--temperature", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     model.generation_config.eos_token_id = None  # the byte tokenizer's stop ids are outside this vocabulary
     for prompt, record in zip(prompts, _records(done.stdout)):
@@ -106,7 +108,7 @@ def test_generate_on_a_two_device_mesh_gives_the_one_device_tokens(trained_run, 
     prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
     args = [sys.executable, "-m", "glm5_jax.cli", "generate", str(run_dir), "--prompts", str(prompts), "--json",
             "--max-new-tokens", "6", "--temperature", "0"]
-    one = run_glm5(*args[3:])
+    one = run_cli(*args[3:])
     two = subprocess.run([*args, "mesh.fsdp=2"], capture_output=True, text=True, env=subprocess_env(devices=2),
                          cwd=REPO, timeout=600)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]

@@ -114,13 +114,16 @@ def test_packed_segments_never_interact(params):
     segment_ids = jnp.array([[1] * 9 + [2] * 7])
     positions = jnp.array([list(range(9)) + list(range(7))])
     out = forward(params, packed, config=TINY, segment_ids=segment_ids, positions=positions)
-    out_a, out_b = forward(params, a, config=TINY), forward(params, b, config=TINY)
-    np.testing.assert_allclose(out.logits[:, :9], out_a.logits, atol=1e-5)
-    np.testing.assert_allclose(out.logits[:, 9:], out_b.logits, atol=1e-5)
+    # a and b each run alone, as the rows of one [2, 16] batch (the causality test's program): the tokens after
+    # them are outside every position compared below (causal attention, top-k and MTP reads).
+    alone = forward(params, jnp.concatenate([packed, jnp.roll(packed, -9, axis=1)]), config=TINY)
+    np.testing.assert_allclose(out.logits[:, :9], alone.logits[:1, :9], atol=1e-5)
+    np.testing.assert_allclose(out.logits[:, 9:], alone.logits[1:, :7], atol=1e-5)
     # MTP: positions whose shifted token stays inside the segment match the unpacked run.
     for k in range(1, 4):
-        np.testing.assert_allclose(out.mtp_logits[k - 1, :, : 9 - k], out_a.mtp_logits[k - 1, :, : 9 - k], atol=1e-5)
-        np.testing.assert_allclose(out.mtp_logits[k - 1, :, 9: 16 - k], out_b.mtp_logits[k - 1, :, : 7 - k],
+        np.testing.assert_allclose(out.mtp_logits[k - 1, :, : 9 - k], alone.mtp_logits[k - 1, :1, : 9 - k],
+                                   atol=1e-5)
+        np.testing.assert_allclose(out.mtp_logits[k - 1, :, 9: 16 - k], alone.mtp_logits[k - 1, 1:, : 7 - k],
                                    atol=1e-5)
 
 
@@ -190,8 +193,9 @@ def test_unrolled_layers_equal_scanned_layers(params):
         out = forward(p, tokens, config=config)
         return jnp.sum(jnp.sin(out.logits)) + sum(jnp.sum(jnp.cos(h)) for h in jax.tree.leaves(out.mtp_hidden))
 
-    scanned_loss, scanned_grads = jax.value_and_grad(loss)(params, TINY)
-    unrolled_loss, unrolled_grads = jax.value_and_grad(loss)(params, unrolled)
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)  # one program each, not op by op
+    scanned_loss, scanned_grads = value_and_grad(params, TINY)
+    unrolled_loss, unrolled_grads = value_and_grad(params, unrolled)
     np.testing.assert_allclose(unrolled_loss, scanned_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(unrolled_grads), jax.tree.leaves(scanned_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -207,6 +211,10 @@ def test_topk_tie_break_takes_the_lowest_index_first():
     np.testing.assert_array_equal(indexer.topk_from_scores(masked, 3), [[[0, -1, -1]]])
 
 
+# Jitted as the model runs it: one program per call, where op by op every band's `lax.map` compiles on its own.
+select_topk = jax.jit(indexer.select_topk, static_argnames=("topk", "q_offset", "query_chunk"))
+
+
 @pytest.mark.parametrize("seq, query_chunk, topk", [(16, 4, 5), (48, 4, 7), (48, 6, 9), (40, 4, 40)])
 def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
     """Blocks of queries grouped into causal key bands (up to 8; 48 / 6 gives 8 bands of 6 queries, 48 / 4 gives
@@ -216,13 +224,13 @@ def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
     k = jax.random.normal(jax.random.key(11), (2, seq, 8))
     w = jax.random.normal(jax.random.key(12), (2, seq, 4))
     seg = jnp.stack([jnp.ones(seq, jnp.int32), jnp.repeat(jnp.arange(4), seq // 4)])
-    full = indexer.select_topk(q, k, w, seg, seg, topk)
-    chunked = indexer.select_topk(q, k, w, seg, seg, topk, query_chunk=query_chunk)
+    full = select_topk(q, k, w, seg, seg, topk)
+    chunked = select_topk(q, k, w, seg, seg, topk, query_chunk=query_chunk)
     assert chunked.shape == full.shape == (2, seq, topk)
     np.testing.assert_array_equal(full, chunked)
     # With a query offset (queries after a prefix) the bands are off and every block scores every key.
-    offset = indexer.select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg, topk, seq // 2,
-                                 query_chunk=query_chunk)
+    offset = select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg, topk, seq // 2,
+                         query_chunk=query_chunk)
     np.testing.assert_array_equal(full[:, seq // 2:], offset)
 
 

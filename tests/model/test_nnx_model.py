@@ -21,7 +21,9 @@ TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_inte
 
 @pytest.fixture(scope="module")
 def model():
-    return GLM5(TINY, nnx.Rngs(0))  # eager: op by op, tens of seconds on a loaded CPU
+    """The module built eagerly (op by op: seconds of CPU), once for the file, from the key `init` is compared
+    with below."""
+    return GLM5(TINY, nnx.Rngs(params=jax.random.key(3)))
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,9 @@ def test_module_split_state_and_pure_forward_agree(model):
 
 
 @pytest.mark.slow
-def test_init_is_the_pure_dict_of_the_module_state():
+def test_init_is_the_pure_dict_of_the_module_state(model):
     params = init(TINY, jax.random.key(3))
-    state = nnx.state(GLM5(TINY, nnx.Rngs(params=jax.random.key(3))))
+    state = nnx.state(model)  # calling the module (the test above) changes none of it
     assert jax.tree.structure(params) == jax.tree.structure(nnx.to_pure_dict(state))
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(nnx.to_pure_dict(state))):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)  # compiled vs eager: rounding only

@@ -199,13 +199,19 @@ def _all_finite(run_dir: Path, like_params, like_opt_state) -> list[int]:
 
 
 def _like(run_dir):
+    """Restore targets of the run's params and optimizer state: shapes, dtypes and one device, nothing
+    computed (initialising them would compile init and the optimizer's init only to be overwritten)."""
     from glm5_jax.config.experiment import load_experiment
     from glm5_jax.model.transformer import init
     from glm5_jax.train.optim import make_optimizer
 
     cfg = load_experiment(run_dir.parent / "exp.yaml")
-    params = init(cfg.model, jax.random.key(0))
-    return params, make_optimizer(cfg.optim, params, config=cfg.model).init(params)
+    params = jax.eval_shape(lambda: init(cfg.model, jax.random.key(0)))
+    opt_state = jax.eval_shape(make_optimizer(cfg.optim, params, config=cfg.model).init, params)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_device = lambda tree: jax.tree.map(  # noqa: E731
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), tree)
+    return on_device(params), on_device(opt_state)
 
 
 @pytest.mark.slow

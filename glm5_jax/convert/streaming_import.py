@@ -78,8 +78,11 @@ def global_array(recipe: LeafRecipe, dtype, sharding, source, cache: ItemCache,
             size += nbytes(key)
         for group in groups:
             hosts = read_leaf_slices(source, recipe, dtype, [index_of[key] for key in group], cache)
-            for key, host in zip(group, hosts):
-                shards += [jax.device_put(host, device) for device in devices_by_slice[key]]
+            placed = [jax.device_put(host, device) for key, host in zip(group, hosts)
+                      for device in devices_by_slice[key]]
+            # device_put copies in the background and holds `hosts` until it is done: wait, or on a busy host
+            # the next groups are read while earlier ones are still alive and the budget no longer bounds memory.
+            shards += jax.block_until_ready(placed)
             del hosts
     return jax.make_array_from_single_device_arrays(recipe.shape, sharding, shards)
 

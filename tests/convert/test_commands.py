@@ -1,8 +1,7 @@
-"""`glm5 import-hf` / `glm5 export-hf` from the command line, and their argument checks."""
-
+"""`glm5 import-hf` / `glm5 export-hf` from the command line (their argv, run in this process: nothing needs
+a fresh one), and their argument checks."""
 
 import pytest
-from cli_subprocess import run_glm5
 
 from glm5_jax.cli import main
 from glm5_jax.convert.run_dir import parse_size
@@ -10,17 +9,19 @@ from glm5_jax.convert.run_dir import parse_size
 
 
 @pytest.mark.slow
-def test_import_then_export_from_the_command_line(hf_checkpoint, tmp_path):
+def test_import_then_export_from_the_command_line(hf_checkpoint, tmp_path, capsys):
     path, *_ = hf_checkpoint
-    imported = run_glm5("import-hf", str(path), str(tmp_path / "run"), "--compute-dtype", "float32")
-    assert imported.returncode == 0, imported.stderr[-3000:]
-    assert "dtypes: parameters bfloat16, compute float32 (asked); config.json dtype=bfloat16" in imported.stdout
-    assert "peak host memory" in imported.stdout
+    code = main(["import-hf", str(path), str(tmp_path / "run"), "--compute-dtype", "float32"])
+    imported, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "dtypes: parameters bfloat16, compute float32 (asked); config.json dtype=bfloat16" in imported
+    assert "peak host memory" in imported
     assert (tmp_path / "run" / "model.yaml").is_file() and (tmp_path / "run" / "checkpoints" / "0").is_dir()
-    exported = run_glm5("export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "100KB")
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    code = main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--max-shard-size", "100KB"])
+    exported, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
     files = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
-    assert len(files) >= 4 and f"wrote {len(files)} safetensors files" in exported.stdout
+    assert len(files) >= 4 and f"wrote {len(files)} safetensors files" in exported
     from test_streaming_import import assert_same_tensors
 
     assert_same_tensors(path, tmp_path / "out")

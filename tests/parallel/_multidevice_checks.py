@@ -54,8 +54,7 @@ def tiny(**overrides) -> ModelConfig:
 
 @functools.cache
 def initial_params():
-    """The tiny model's parameters on one device (host copy: training steps donate their state). The MoE
-    backend does not change the parameter tree, so every group shares this one compiled init."""
+    """The tiny model's parameters on one device (host copy), the values `init_sharded` must reproduce."""
     from glm5_jax.model.transformer import init
 
     config = tiny()
@@ -370,83 +369,81 @@ def group_plan():
 def group_train_step():
     """Plain SGD (update = -lr * grad) keeps the comparison as tight as the gradients themselves (Adam's first
     step is lr * sign(g), which fp32 reduction order flips wherever g is ~0). The rate is large so that the
-    update, not the fp32 spacing of the weights, dominates new - old."""
+    update, not the fp32 spacing of the weights, dominates new - old.
+
+    One single-device step is the reference of both mesh steps (a 2x2x2 mesh jitted as `glm5 train` jits it,
+    with pinned shardings, and wide expert parallelism jitted without them): each compile of a training step
+    costs tens of seconds of CPU. The config is tiny.yaml's with the shared expert twice as wide as a routed
+    one (F = 24, no other weight's dim), so the wide EP check tells the routed experts' weights apart in the
+    HLO by shape."""
     import optax
 
     from glm5_jax.config import TrainConfig
-    from glm5_jax.parallel.sharding import init_opt_state_sharded, shard_params
-    from glm5_jax.train.step import TrainState, init_train_state, make_train_step
+    from glm5_jax.model.transformer import init
+    from glm5_jax.train.step import init_train_state, make_train_step
 
     train = TrainConfig(batch_size=8, seq_len=32).validate()
-    single_config = tiny(moe_backend="ragged")
-    mesh_config = tiny(moe_backend="ep")
-    params = initial_params()
+    distinct = dict(moe_intermediate_size=24, n_shared_experts=2)
+    single_config = tiny(moe_backend="ragged", **distinct)
+    params = jax.device_get(jax.jit(lambda key: init(single_config, key))(jax.random.key(0)))
     tx = optax.sgd(1e3)
     tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, single_config.vocab_size, jnp.int32)
     batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
              "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), tokens.shape),
              "loss_mask": jnp.ones_like(tokens)}
+    single_state, single_metrics = make_train_step(single_config, train, tx)(
+        init_train_state(jax.tree.map(jnp.asarray, params), tx), batch)
+    single = (float(single_metrics["loss"]), [np.asarray(leaf) for leaf in jax.tree.leaves(single_state.params)])
+    assert max(np.abs(new - old).max() for new, old in zip(single[1], jax.tree.leaves(params))) > 1e-2, \
+        "the step must move the parameters"
+    check_pinned_mesh_steps(tiny(moe_backend="ep", **distinct), train, tx, params, batch, single)
+    check_wide_expert_parallel_step(tiny(moe_backend="ep", **distinct), train, tx, params, batch, single)
 
-    single_params = jax.tree.map(jnp.asarray, params)
-    single_state, single_metrics = make_train_step(single_config, train, tx)(init_train_state(single_params, tx),
-                                                                              batch)
+
+def check_step_equals_single(name: str, loss, new_params, params, single) -> None:
+    """One step's loss and every parameter's update (new - old) against the single-device step's."""
+    single_loss, single_params = single
+    close(loss, single_loss, f"{name} loss")
+    for (path, old), new, want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(new_params),
+                                      single_params):
+        close(np.asarray(new) - old, want - old, f"{name} parameter update {jax.tree_util.keystr(path)}",
+              rtol=1e-4, scaled_atol=1e-4)
+
+
+def check_pinned_mesh_steps(mesh_config, train, tx, params, batch, single):
+    """On a 2x2x2 mesh, jitted with explicit in/out shardings as `glm5 train` jits it: the first step equals
+    the single-device step, and the state keeps its layout, so three steps compile one executable."""
+    from glm5_jax.parallel.sharding import (init_opt_state_sharded, opt_state_shardings, param_shardings,
+                                            shard_params)
+    from glm5_jax.train.step import TrainState, make_train_step
 
     mesh = mesh_of(data=2, fsdp=2, expert=2)
-    sharded = shard_params(params, mesh, config=mesh_config)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=sharded,
-                       opt_state=init_opt_state_sharded(tx, sharded, mesh, config=mesh_config))
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
-    mesh_state, mesh_metrics = make_train_step(mesh_config, train, tx, mesh=mesh)(state, mesh_batch)
-
-    close(mesh_metrics["loss"], single_metrics["loss"], "loss")
-    steps = lambda state: [np.asarray(new) - old for new, old in zip(jax.tree.leaves(state.params),  # noqa: E731
-                                                                      jax.tree.leaves(params))]
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    for path, got, want in zip(paths, steps(mesh_state), steps(single_state)):
-        close(got, want, f"parameter update {path}", rtol=1e-4, scaled_atol=1e-4)
-    assert max(np.abs(step).max() for step in steps(single_state)) > 1e-2, "the step must move the parameters"
-    print(f"PASS one training step on a 2x2x2 mesh equals the single-device step (loss "
-          f"{float(single_metrics['loss']):.6f})")
-
-    # With explicit in/out shardings (as `glm5 train` jits it) the state keeps its layout: one executable.
-    from glm5_jax.parallel.sharding import opt_state_shardings, param_shardings
-
     replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    sharded = shard_params(params, mesh, config=mesh_config)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=sharded,
+                       opt_state=init_opt_state_sharded(tx, sharded, mesh, config=mesh_config))
     shardings = TrainState(step=replicated, params=param_shardings(sharded, mesh, config=mesh_config),
                            opt_state=opt_state_shardings(state.opt_state, mesh, config=mesh_config))
     pinned = make_train_step(mesh_config, train, tx, mesh=mesh, state_shardings=shardings,
                              batch_sharding=batch_sharding)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                       params=shard_params(params, mesh, config=mesh_config),
-                       opt_state=init_opt_state_sharded(tx, shard_params(params, mesh, config=mesh_config), mesh,
-                                                        config=mesh_config))
-    for _ in range(3):
+    mesh_batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding), batch)
+    state, metrics = pinned(state, mesh_batch)
+    check_step_equals_single("2x2x2 mesh", metrics["loss"], state.params, params, single)
+    print(f"PASS one training step on a 2x2x2 mesh equals the single-device step (loss {single[0]:.6f})")
+    for _ in range(2):
         state, _ = pinned(state, mesh_batch)
     assert pinned.jitted._cache_size() == 1, pinned.jitted._cache_size()
     print("PASS three pinned-sharding steps compile one executable")
-    check_wide_expert_parallel_step(train, tokens, batch)
 
 
-def check_wide_expert_parallel_step(train, tokens, batch):
+def check_wide_expert_parallel_step(wide_config, train, tx, params, batch, single):
     """Wide expert parallelism (`expert` 8, `fsdp` 1): every device keeps its routed expert whole, the other
     weights are split over all 8 devices, tokens travel by all-to-all; one training step equals one device's
-    in loss and in every parameter's update, and the compiled step gathers no routed-expert weight. The shared
-    expert is made twice as wide as a routed one so the two are told apart by shape in the HLO (and so is F from every other dim)."""
-    import optax
-
-    from glm5_jax.model.transformer import init
+    in loss and in every parameter's update, and the compiled step gathers no routed-expert weight."""
     from glm5_jax.parallel.hlo_stats import result_shapes
     from glm5_jax.parallel.sharding import init_opt_state_sharded, param_specs, shard_params
-    from glm5_jax.train.step import TrainState, init_train_state, make_train_step
-
-    distinct = dict(moe_intermediate_size=24, n_shared_experts=2)  # F = 24 is no other weight's dim
-    single_config = tiny(moe_backend="ragged", **distinct)
-    wide_config = tiny(moe_backend="ep", **distinct)
-    params = jax.device_get(jax.jit(lambda key: init(single_config, key))(jax.random.key(0)))
-    tx = optax.sgd(1e3)
-    single_state, single_metrics = make_train_step(single_config, train, tx)(
-        init_train_state(jax.tree.map(jnp.asarray, params), tx), batch)
+    from glm5_jax.train.step import TrainState, make_train_step
 
     mesh = mesh_of(expert=8)
     experts_spec = param_specs(params, mesh, config=wide_config)["moe_layers"]["moe"]["experts"]
@@ -460,17 +457,13 @@ def check_wide_expert_parallel_step(train, tokens, batch):
     hlo = step.jitted.trace(state, mesh_batch).lower().compile().as_text()
     mesh_state, mesh_metrics = step(state, mesh_batch)
 
-    close(mesh_metrics["loss"], single_metrics["loss"], "wide EP loss")
-    for (path, old), new, want in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                      jax.tree.leaves(mesh_state.params), jax.tree.leaves(single_state.params)):
-        close(np.asarray(new) - old, np.asarray(want) - old, f"wide EP update {jax.tree_util.keystr(path)}",
-              rtol=1e-4, scaled_atol=1e-4)
-    d, f = single_config.hidden_size, single_config.moe_intermediate_size
+    check_step_equals_single("wide EP", mesh_metrics["loss"], mesh_state.params, params, single)
+    d, f = wide_config.hidden_size, wide_config.moe_intermediate_size
     gathered = [shape for shape in result_shapes(hlo, "all-gather") if shape[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered in the wide EP step: {gathered}"
     assert "all-to-all" in hlo, "tokens must travel to the experts by all-to-all"
     print(f"PASS wide expert parallelism (expert=8): one training step equals the single-device step, no expert "
-          f"weight gathered (loss {float(single_metrics['loss']):.6f})")
+          f"weight gathered (loss {single[0]:.6f})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,19 +137,47 @@ def resumable_copy(source: Path, target: Path, step: int) -> None:
             shutil.rmtree(saved_step)
 
 
-def test_two_processes_equal_one_and_checkpoints_move_between_them(mesh_runs, tmp_path):
+HEARTBEAT = "distributed.heartbeat_timeout_s=10"
+
+
+@pytest.fixture(scope="module")
+def killed_two_process_run(tmp_path_factory):
+    """Two processes that train the mesh runs' experiment from scratch until their step-2 checkpoint is saved,
+    when one of them is killed: (run directory, the survivor's exit code, its stderr, seconds it took to
+    exit). One job serves three checks (its first steps against one process, its checkpoint resumed by one
+    process, the survivor's failure): each job of two processes compiles its own training step, since they
+    cannot share the compile cache."""
+    run_dir = tmp_path_factory.mktemp("killed") / "two"
+    procs = start_processes(run_dir, 400, *MESH, SHARDS, HEARTBEAT)
+    try:
+        metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2"
+        deadline = time.monotonic() + TIMEOUT
+        while not (checkpoint.is_dir() and metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline, "the processes never saved step 2"
+            assert all(proc.poll() is None for proc in procs), procs[0].stderr.read()[-4000:]
+            time.sleep(1)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - killed_at
+    finally:
+        _kill_all(procs)
+    return run_dir, procs[0].returncode, err, waited
+
+
+def test_two_processes_equal_one_and_checkpoints_move_between_them(mesh_runs, killed_two_process_run, tmp_path):
     one_run = mesh_runs / "mesh"  # one process on the same 8 devices the two processes share; only read here
-    train_multiprocess(tmp_path / "two", 3, *MESH, SHARDS)
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(one_run), rtol=1e-5, atol=1e-5)
+    two_run = killed_two_process_run[0]
+    np.testing.assert_allclose(losses(two_run)[:2], losses(one_run)[:2], rtol=1e-5, atol=1e-5)
 
     # The step-2 checkpoint saved by the 2 processes, resumed by 1; the one saved by 1 process, resumed by 2
-    # (each run saved step 2 on its way to 3: a copy without step 3 is the run stopped there). The resumed runs
-    # continue with the same losses and the same data position; their parameters differ from the uninterrupted
-    # run's by at most an ulp, since gloo and XLA's in-process all-reduce sum in different orders.
+    # (the one-process run saved step 2 on its way to 3: a copy without step 3 is the run stopped there). The
+    # resumed runs continue with the same losses and the same data position; their parameters differ from the
+    # uninterrupted run's by at most an ulp, since gloo and XLA's in-process all-reduce sum in different orders.
     one_params, one_data = saved(one_run, 3)
-    one = lambda run_dir, steps: train_single(run_dir, steps, 8, *MESH, SHARDS)  # noqa: E731
+    one = lambda run_dir, steps: train_single(run_dir, steps, 8, *MESH, SHARDS, HEARTBEAT)  # noqa: E731
     two = lambda run_dir, steps: train_multiprocess(run_dir, steps, *MESH, SHARDS)  # noqa: E731
-    for saved_by, resume, name in ((tmp_path / "two", one, "2to1"), (one_run, two, "1to2")):
+    for saved_by, resume, name in ((two_run, one, "2to1"), (one_run, two, "1to2")):
         resumable_copy(saved_by, tmp_path / name, 2)
         resume(tmp_path / name, 3)
         np.testing.assert_allclose(losses(tmp_path / name), losses(one_run), rtol=1e-5, atol=1e-5)
@@ -159,21 +187,8 @@ def test_two_processes_equal_one_and_checkpoints_move_between_them(mesh_runs, tm
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8, err_msg=name)
 
 
-def test_a_dead_process_stops_the_others(tmp_path):
-    procs = start_processes(tmp_path / "run", 400, *MESH, SHARDS, "distributed.heartbeat_timeout_s=10")
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + TIMEOUT
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline, "the processes never trained"
-            assert all(proc.poll() is None for proc in procs), procs[0].stderr.read()[-4000:]
-            time.sleep(1)
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, err = procs[0].communicate(timeout=120)
-        waited = time.monotonic() - killed_at
-    finally:
-        _kill_all(procs)
-    assert procs[0].returncode != 0, "the surviving process exited 0 after its peer died"
+def test_a_dead_process_stops_the_others(killed_two_process_run):
+    _, returncode, err, waited = killed_two_process_run
+    assert returncode != 0, "the surviving process exited 0 after its peer died"
     assert waited < 120
     assert err.strip(), "the surviving process gave no message"

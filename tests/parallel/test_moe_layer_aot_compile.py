@@ -31,7 +31,9 @@ from glm5_jax.parallel.topology import get_topology
 
 from xla_env import REPO
 
-TOKENS_PER_CHIP = 4096
+# What is checked (matmul work against the model's, no expert weight gathered) holds at any token count;
+# libtpu compiles the step for 1024 tokens per chip in about half the CPU time it takes for 4096.
+TOKENS_PER_CHIP = 1024
 
 
 @pytest.mark.slow

@@ -34,10 +34,13 @@ def keep_state_unless_finite(old_params, old_opt_state, new_params, new_opt_stat
     leaves = _inexact_leaves(_checked(metrics["loss"], grads, new_opt_state, new_params))
     finite = jnp.stack([jnp.isfinite(leaf).all() for _, leaf in leaves])
     ok = finite.all()
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
     metrics = {**metrics, "non_finite": (~ok).astype(jnp.int32),
                "non_finite_leaf": jnp.where(ok, -1, jnp.argmin(finite)).astype(jnp.int32)}
-    return jax.tree.map(keep, new_params, old_params), jax.tree.map(keep, new_opt_state, old_opt_state), metrics
+    # One conditional picks the whole state. A `jnp.where(ok, new, old)` per leaf compiles ~3x slower: XLA
+    # fuses the scalar chain that computes `ok` (one `and` per checked leaf) into every leaf's select, so the
+    # optimized program of the tests' 2-layer step grew from 31K to 120K lines (compile 4-6 s -> 12-17 s).
+    params, opt_state = jax.lax.cond(ok, lambda: (new_params, new_opt_state), lambda: (old_params, old_opt_state))
+    return params, opt_state, metrics
 
 
 def largest_parameter(params) -> tuple[str, float]:

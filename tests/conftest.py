@@ -63,8 +63,8 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     return units
 
 
-# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=80` at d073238
-# on 2 shared cores (load average ~10: about 4x an idle machine's; only their order is used). A test not listed
+# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=80` of a clean clone at
+# ae60bc5 on 2 idle cores (only their order is used). A test not listed
 # counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
 MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
 SLOW_SECONDS, FAST_SECONDS = 15, 1

@@ -36,9 +36,9 @@ import yaml
 
 from glm5_jax.commands.importable import load_callable
 from glm5_jax.commands.source import CommandError
-from glm5_jax.config import ConfigError, _fail, apply_overrides, from_dict, load_yaml
+from glm5_jax.config import ConfigError, _fail, from_dict
 from glm5_jax.config.async_rl import AsyncRLConfig
-from glm5_jax.config.experiment import ExperimentConfig, experiment_from_dict, experiment_to_dict
+from glm5_jax.config.experiment import ExperimentConfig, experiment_from_dict, experiment_to_dict, parse_config_file
 from glm5_jax.model.transformer import init
 from glm5_jax.rollout.async_rl import require_train_fits, run_async_rl
 from glm5_jax.runner import load_params
@@ -117,11 +117,7 @@ def rl_async_from_dict(data: dict) -> RLAsyncConfig:
 
 def load_rl_async(path: str | Path, overrides: list[str] | None = None) -> RLAsyncConfig:
     """CONFIG with `section.key=value` overrides applied (the parser every subcommand uses)."""
-    data = apply_overrides(load_yaml(path), overrides or [])
-    try:
-        return rl_async_from_dict(data)
-    except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from None
+    return parse_config_file(path, overrides, rl_async_from_dict)
 
 
 def starting_params(config: RLAsyncConfig):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from glm5_jax.config.core import (CheckpointConfig, ConfigError, DataConfig, ModelConfig, TrainConfig, _fail,
                                   apply_overrides, from_dict, load_yaml, require_finite_floats)
@@ -15,6 +16,8 @@ from glm5_jax.config.init_model import model_for_init_from
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.config.rl import RLStepConfig, rl_step_config_as_dict, rl_step_config_from_dict
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +114,15 @@ def experiment_to_dict(cfg: ExperimentConfig) -> dict:
     return {**dataclasses.asdict(cfg), "rl": None if cfg.rl is None else rl_step_config_as_dict(cfg.rl)}
 
 
-def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+def parse_config_file(path: str | Path, overrides: list[str] | None, parse: Callable[[dict], T]) -> T:
+    """`parse` of the YAML file at `path` with `section.key=value` overrides applied (the parser every
+    subcommand uses); an error names the file."""
     data = apply_overrides(load_yaml(path), overrides or [])
     try:
-        return experiment_from_dict(data)
+        return parse(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    return parse_config_file(path, overrides, experiment_from_dict)

@@ -92,7 +92,8 @@ def _chat_eval(right_marker: float, p_wrong: float) -> dict:
     turn = {"turns": 10, "stopped": 1.0, "right_marker": right_marker, "right_kind": right_marker, "exact": 0.1}
     return {"turn_ending": {"all": turn, "tool_call": turn, "answer": turn},
             "error_imitation": {"p_correct_operator": 1 - p_wrong, "p_wrong_operators": p_wrong,
-                                "greedy_wrong_rate": p_wrong, "sampled_wrong_op_rate": 0.5}}
+                                "greedy_wrong_rate": p_wrong, "sampled_wrong_op_rate": 0.5,
+                                "sampled_calls": {"correct_op": 3, "wrong_op": 3, "other": 4}}}
 
 
 def test_chat_sft_summary_and_masking_effect(tmp_path):
@@ -103,14 +104,35 @@ def test_chat_sft_summary_and_masking_effect(tmp_path):
         (folder / "masked_eval.json").write_text(json.dumps(_chat_eval(0.9, masked)))
         (folder / "unmasked_eval.json").write_text(json.dumps(_chat_eval(0.8, control)))
         for run in chat_sft.RUNS:
-            _write_jsonl(folder / f"{run}_metrics.jsonl", [{"step": s, "lm_loss": 3.0 / s + seed} for s in (1, 2)])
+            _write_jsonl(folder / f"{run}_metrics.jsonl",
+                         [{"step": s, "lm_loss": 3.0 / s + seed} for s in (1, 2)]
+                         + [{"step": s, "lm_loss": s / 10 + seed} for s in range(11, 21)])
     summary = chat_sft.aggregate(tmp_path)
     assert summary["runs"]["unmasked"]["p_wrong_operators"]["mean"] == pytest.approx(0.575)
     effect = summary["masked_minus_unmasked"]["p_wrong_operators"]
     assert (effect["min"], effect["max"]) == (pytest.approx(-0.2), pytest.approx(-0.05))
     assert summary["masked_minus_unmasked"]["turn_ending_answer_right_marker"]["mean"] == pytest.approx(0.1)
+    assert summary["runs"]["masked"]["sampled_parsable_calls"]["mean"] == 6
+    # steps 11-20 are covered (mean of s / 10 + seed: 1.55, 2.55), the later windows are not
+    window = summary["runs"]["masked"]["train_loss_steps_11-20"]
+    assert (window["min"], window["max"]) == (pytest.approx(1.55), pytest.approx(2.55))
+    assert "train_loss_steps_111-120" not in summary["runs"]["masked"]
     loss = chat_sft.curve_bands(tmp_path)["train_loss"]["masked"]
-    assert loss == {"step": [1, 2], "mean": [3.5, 2.0], "min": [3.0, 1.5], "max": [4.0, 2.5]}
+    assert loss["step"][:2] == [1, 2] and loss["mean"][:2] == [3.5, 2.0] and loss["max"][:2] == [4.0, 2.5]
+
+
+def test_chat_sft_tables_print_both_runs_and_the_paired_effect(tmp_path):
+    from experiments.chat_sft import tables
+
+    test_chat_sft_summary_and_masking_effect(tmp_path)
+    summary = chat_sft.aggregate(tmp_path)
+    lines = tables.table(summary, tables.IMITATION_ROWS + tables.LOSS_ROWS)
+    wrong = next(line for line in lines if line.startswith("| P(either wrong operator)"))
+    # masked 0.4 / 0.5, control 0.6 / 0.55, effect -0.2 / -0.05, each as mean (min-max) [per seed]
+    assert wrong.split(" | ")[1:] == ["0.450 (0.400-0.500) [0.400, 0.500]", "0.575 (0.550-0.600) [0.600, 0.550]",
+                                      "-0.125 (-0.200--0.050) [-0.200, -0.050] |"]
+    assert any(line.startswith("| training loss, steps 11-20") for line in lines)
+    assert not any("steps 111-120" in line for line in lines)  # a window no seed covers is left out
 
 
 def test_plots_write_one_png_per_figure(tmp_path):

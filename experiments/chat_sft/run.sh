@@ -4,8 +4,8 @@
 # Per seed <n>: training conversations generated with seed 2n, the model's initial weights and batch order from
 # train.seed=n; the 200 held-out conversations are the same for every seed (seed 1, an odd seed no training set
 # uses). Run directories go to $RUNS/seed_<n>/ (gitignored), the small result files to $RESULTS/seed_<n>/; then
-# $RESULTS/summary.json (mean and min-max over seeds) and the plots. A seed took 36 minutes on 2 shared CPU cores
-# at 0f68330 with its two trainings side by side; they now run one after the other. A smoke run of the machinery (16 minutes on the shared machine):
+# $RESULTS/summary.json (mean and min-max over seeds) and the plots. The three default seeds took 18 min 20 s on 2
+# idle CPU cores at 2a13ce3 (about 6 minutes a seed). A smoke run of the machinery (16 minutes on the shared machine):
 #   SEEDS="0 1" RESULTS=runs/chat_sft_smoke/results RUNS=runs/chat_sft_smoke TRAIN_RECORDS=40 HELDOUT_RECORDS=6 \
 #     bash experiments/chat_sft/run.sh train.steps=2
 set -euo pipefail

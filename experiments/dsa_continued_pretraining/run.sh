@@ -4,7 +4,7 @@
 # train.seed=<n> sets the initial weights of the dense pre-training and the batch order of every stage (and of
 # the validation batches, the same for every stage of one seed). Run directories go to runs/dsa/seed_<n>/
 # (gitignored); the small result files to results/seed_<n>/; then results/summary.json (mean and min-max over
-# seeds) and the plots. About 20 minutes per seed on 2 shared CPU cores.
+# seeds) and the plots. The three seeds took 10 min 41 s on 2 idle CPU cores at 2a13ce3.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD"

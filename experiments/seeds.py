@@ -66,3 +66,9 @@ def rolling_mean(curve: dict[int, float], window: int) -> dict[int, float]:
 def format_spread(figure: dict, digits: int = 3) -> str:
     """'0.412 (0.380-0.450)': the mean, then the min-max over seeds."""
     return f"{figure['mean']:.{digits}f} ({figure['min']:.{digits}f}-{figure['max']:.{digits}f})"
+
+
+def format_spread_and_seeds(figure: dict, digits: int = 3) -> str:
+    """'0.412 (0.380-0.450) [0.380, 0.406, 0.450]': format_spread, then each seed's value in seed order."""
+    per_seed = ", ".join(f"{value:.{digits}f}" for value in figure["per_seed"].values())
+    return f"{format_spread(figure, digits)} [{per_seed}]"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from experiments.chat_sft.aggregate import LOSS_WINDOWS
-from experiments.seeds import format_spread
+from experiments.seeds import format_spread_and_seeds
 
 TURN_ROWS = (
     ("turn_ending_all_stopped", "turns that end with a role marker / `<|endoftext|>` within the budget"),
@@ -31,19 +31,14 @@ LOSS_ROWS = tuple((f"train_loss_steps_{a}-{b}", f"training loss, steps {a}-{b} (
                   for a, b in LOSS_WINDOWS)
 
 
-def _cell(figure: dict, digits: int) -> str:
-    per_seed = ", ".join(f"{value:.{digits}f}" for value in figure["per_seed"].values())
-    return f"{format_spread(figure, digits)} [{per_seed}]"
-
-
 def table(summary: dict, rows: tuple) -> list[str]:
     lines = ["| | masked SFT | control (errors trained) | masked minus control |", "|---|---:|---:|---:|"]
     runs, effect = summary["runs"], summary["masked_minus_unmasked"]
     for key, label in rows:
         digits = 0 if key == "sampled_parsable_calls" else 3  # a count
         if key in effect:
-            lines.append(f"| {label} | {_cell(runs['masked'][key], digits)} | {_cell(runs['unmasked'][key], digits)} "
-                         f"| {_cell(effect[key], digits)} |")
+            cells = (format_spread_and_seeds(f[key], digits) for f in (runs["masked"], runs["unmasked"], effect))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 

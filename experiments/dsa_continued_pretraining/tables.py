@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from experiments.seeds import format_spread
+from experiments.seeds import format_spread_and_seeds
 
 EVAL_ROWS = (
     ("dense_pretrain_dense", "dense pre-training, step 80", "dense (512)"),
@@ -33,11 +33,6 @@ DERIVED = (
 )
 
 
-def _cell(figure: dict, digits: int = 4) -> str:
-    per_seed = ", ".join(f"{value:.{digits}f}" for value in figure["per_seed"].values())
-    return f"{format_spread(figure, digits)} [{per_seed}]"
-
-
 def main(argv: list[str]) -> None:
     results = Path(argv[0] if argv else Path(__file__).parent / "results")
     summary = json.loads((results / "summary.json").read_text())
@@ -50,11 +45,11 @@ def main(argv: list[str]) -> None:
         figure = figures[f"eval_{key}"]
         gap = {s: v - control["per_seed"][s] for s, v in figure["per_seed"].items()}
         gap_cell = "" if key == "dense_control_dense" else f"{sum(gap.values()) / len(gap):+.4f}"
-        print(f"| {parameters} | {attention} | {_cell(figure)} | {gap_cell} |")
+        print(f"| {parameters} | {attention} | {format_spread_and_seeds(figure, 4)} | {gap_cell} |")
     print("\n| figure | mean (min-max) [per seed] |")
     print("|---|---|")
     for key, label in DERIVED:
-        print(f"| {label} | {_cell(figures[key], 3)} |")
+        print(f"| {label} | {format_spread_and_seeds(figures[key], 3)} |")
 
 
 if __name__ == "__main__":

@@ -176,10 +176,10 @@ def _run_locked(cfg: ExperimentConfig, *, log, allow_config_change: bool, primar
     tokenizer = build_tokenizer(cfg)
     batches, data_stats = sharded_batches(cfg, tokenizer)
     log(f"data: {json.dumps(data_stats)}")
-    state = _initial_state(cfg, trainer, log)
     with Checkpointer(run_dir / "checkpoints", save_interval_steps=cfg.checkpoint.every,
                       max_to_keep=cfg.checkpoint.keep) as checkpointer:
-        state, start, config_changes = _resume(cfg, trainer, state, batches, checkpointer, allow_config_change, log)
+        resumed = _resume(cfg, trainer, batches, checkpointer, allow_config_change, log)
+        state, start, config_changes = resumed or (_initial_state(cfg, trainer, log), 0, [])
         if primary:
             _write_run_config(run_dir, cfg, start)
         with MetricsLog(run_dir, cfg.train, first_step=start + 1, primary=primary, log=log,
@@ -211,16 +211,19 @@ def _initial_state(cfg: ExperimentConfig, trainer: Trainer, log) -> TrainState:
     return trainer.init_state(params)
 
 
-def _resume(cfg: ExperimentConfig, trainer: Trainer, state: TrainState, batches, checkpointer: Checkpointer,
-            allow_config_change: bool, log) -> tuple[TrainState, int, list[str]]:
-    """(state, its step, the config changes since the checkpoint) from the run's latest checkpoint, if any
-    and if the config agrees with the saved one; the data iterator is moved to the saved position."""
+def _resume(cfg: ExperimentConfig, trainer: Trainer, batches, checkpointer: Checkpointer,
+            allow_config_change: bool, log) -> tuple[TrainState, int, list[str]] | None:
+    """(state, its step, the config changes since the checkpoint) from the run's latest checkpoint if the config
+    agrees with the saved one, None when there is none to resume; the data iterator is moved to the saved
+    position. The checkpoint is read straight into the state's shardings: no parameters or optimizer state are
+    initialised (compiled, allocated) only to be overwritten."""
     latest = checkpointer.latest_step()
     if not cfg.checkpoint.resume or latest is None:
-        return state, 0, []
+        return None
     changes = check_resume_config(checkpointer.saved_config(), experiment_to_dict(cfg), step=latest,
                                   allow_change=allow_config_change, defaults=default_experiment_dict())
-    restored = checkpointer.restore(state.params, state.opt_state)
+    target = trainer.abstract_state()
+    restored = checkpointer.restore(target.params, target.opt_state)
     state = TrainState(step=jax.device_put(jnp.asarray(restored.step, jnp.int32), trainer.layout.replicated),
                        params=restored.params, opt_state=restored.opt_state)
     if restored.data_state is not None:

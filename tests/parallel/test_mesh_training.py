@@ -78,16 +78,6 @@ def _kill_all(procs) -> None:
             proc.wait()
 
 
-def train_multiprocess(run_dir: Path, steps: int, *overrides: str) -> None:
-    procs = start_processes(run_dir, steps, *overrides)
-    try:
-        outputs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
-    finally:
-        _kill_all(procs)
-    for index, (proc, (_, err)) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"process {index}:\n{err[-4000:]}"
-
-
 def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -110,22 +100,24 @@ def saved(run_dir: Path, step: int) -> tuple[list[np.ndarray], dict]:
 
 
 SHARDS = "data.shards=2"  # two data streams, as the two-process runs read them
+HEARTBEAT = "distributed.heartbeat_timeout_s=10"  # the survivor of a dead peer gives up within seconds
+STEPS = 5  # checkpoints at steps 2, 4 and 5
 
 
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory) -> Path:
-    """The same 3 steps on one device ("one") and on an 8-device mesh in one process ("mesh"), shared by the
+    """The same 5 steps on one device ("one") and on an 8-device mesh in one process ("mesh"), shared by the
     mesh and the two-process tests (the mesh run is the one-process reference of the two-process run)."""
     root = tmp_path_factory.mktemp("mesh_runs")
-    train_single(root / "one", 3, 1, SHARDS)
-    train_single(root / "mesh", 3, 8, *MESH, SHARDS)
+    train_single(root / "one", STEPS, 1, SHARDS, HEARTBEAT)
+    train_single(root / "mesh", STEPS, 8, *MESH, SHARDS, HEARTBEAT)
     return root
 
 
 def test_mesh_run_equals_single_device(mesh_runs):
     np.testing.assert_allclose(losses(mesh_runs / "mesh"), losses(mesh_runs / "one"), rtol=1e-5, atol=1e-5)
     log = (mesh_runs / "mesh" / "metrics.jsonl").read_text()
-    assert len(log.splitlines()) == 3
+    assert len(log.splitlines()) == STEPS
 
 
 def resumable_copy(source: Path, target: Path, step: int) -> None:
@@ -137,23 +129,21 @@ def resumable_copy(source: Path, target: Path, step: int) -> None:
             shutil.rmtree(saved_step)
 
 
-HEARTBEAT = "distributed.heartbeat_timeout_s=10"
-
-
 @pytest.fixture(scope="module")
-def killed_two_process_run(tmp_path_factory):
-    """Two processes that train the mesh runs' experiment from scratch until their step-2 checkpoint is saved,
-    when one of them is killed: (run directory, the survivor's exit code, its stderr, seconds it took to
-    exit). One job serves three checks (its first steps against one process, its checkpoint resumed by one
-    process, the survivor's failure): each job of two processes compiles its own training step, since they
-    cannot share the compile cache."""
+def killed_two_process_run(mesh_runs, tmp_path_factory):
+    """Two processes resume the one-process mesh run's step-2 checkpoint and train on until they have saved
+    step 4, when one of them is killed: (run directory, the survivor's exit code, its stderr, seconds it took
+    to exit). One job of two processes serves four checks (a checkpoint moving from one process to two, their
+    steps against one process's, their checkpoint resumed by one process, the survivor's failure): each such job
+    compiles its training step in both processes, since they cannot share the compile cache."""
     run_dir = tmp_path_factory.mktemp("killed") / "two"
+    resumable_copy(mesh_runs / "mesh", run_dir, 2)
     procs = start_processes(run_dir, 400, *MESH, SHARDS, HEARTBEAT)
     try:
-        metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2"
+        metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "4"
         deadline = time.monotonic() + TIMEOUT
-        while not (checkpoint.is_dir() and metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline, "the processes never saved step 2"
+        while not (checkpoint.is_dir() and metrics.read_text().count("\n") >= 4):
+            assert time.monotonic() < deadline, "the processes never saved step 4"
             assert all(proc.poll() is None for proc in procs), procs[0].stderr.read()[-4000:]
             time.sleep(1)
         os.killpg(procs[1].pid, signal.SIGKILL)
@@ -166,25 +156,27 @@ def killed_two_process_run(tmp_path_factory):
 
 
 def test_two_processes_equal_one_and_checkpoints_move_between_them(mesh_runs, killed_two_process_run, tmp_path):
-    one_run = mesh_runs / "mesh"  # one process on the same 8 devices the two processes share; only read here
+    # One process on the same 8 devices the two processes share; only read here. Parameters may differ from it
+    # by an ulp after a step on two processes, since gloo and XLA's in-process all-reduce sum in different orders.
+    one_run = mesh_runs / "mesh"
     two_run = killed_two_process_run[0]
-    np.testing.assert_allclose(losses(two_run)[:2], losses(one_run)[:2], rtol=1e-5, atol=1e-5)
+    params_close = lambda got, want, name: [  # noqa: E731
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8, err_msg=name) for g, w in zip(got, want)]
 
-    # The step-2 checkpoint saved by the 2 processes, resumed by 1; the one saved by 1 process, resumed by 2
-    # (the one-process run saved step 2 on its way to 3: a copy without step 3 is the run stopped there). The
-    # resumed runs continue with the same losses and the same data position; their parameters differ from the
-    # uninterrupted run's by at most an ulp, since gloo and XLA's in-process all-reduce sum in different orders.
-    one_params, one_data = saved(one_run, 3)
-    one = lambda run_dir, steps: train_single(run_dir, steps, 8, *MESH, SHARDS, HEARTBEAT)  # noqa: E731
-    two = lambda run_dir, steps: train_multiprocess(run_dir, steps, *MESH, SHARDS)  # noqa: E731
-    for saved_by, resume, name in ((two_run, one, "2to1"), (one_run, two, "1to2")):
-        resumable_copy(saved_by, tmp_path / name, 2)
-        resume(tmp_path / name, 3)
-        np.testing.assert_allclose(losses(tmp_path / name), losses(one_run), rtol=1e-5, atol=1e-5)
-        params, data = saved(tmp_path / name, 3)
-        assert data == one_data, name
-        for got, want in zip(params, one_params):
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8, err_msg=name)
+    # 1 -> 2: the checkpoint one process saved at step 2, resumed by two, gives the one process's steps 3 and 4,
+    # the same step-4 parameters and the same data position.
+    np.testing.assert_allclose(losses(two_run)[:4], losses(one_run)[:4], rtol=1e-5, atol=1e-5)
+    (two_params, two_data), (one_params, one_data) = saved(two_run, 4), saved(one_run, 4)
+    assert two_data == one_data
+    params_close(two_params, one_params, "1to2")
+
+    # 2 -> 1: the checkpoint the two processes saved at step 4, resumed by one, gives the one process's step 5.
+    resumable_copy(two_run, tmp_path / "2to1", 4)
+    train_single(tmp_path / "2to1", STEPS, 8, *MESH, SHARDS, HEARTBEAT)
+    np.testing.assert_allclose(losses(tmp_path / "2to1"), losses(one_run), rtol=1e-5, atol=1e-5)
+    (params, data), (one_params, one_data) = saved(tmp_path / "2to1", STEPS), saved(one_run, STEPS)
+    assert data == one_data
+    params_close(params, one_params, "2to1")
 
 
 def test_a_dead_process_stops_the_others(killed_two_process_run):

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from glm5_jax.tree_paths import path_string
@@ -59,11 +60,19 @@ def _as_json(name: str, value: Any) -> Any:
         raise CheckpointError(f"{name} must be JSON-serialisable (a dict of numbers, strings, lists): {err}") from err
 
 
+@jax.jit
+def _finite_flags(leaves: list) -> jax.Array:
+    """One flag per leaf, in one program: a check per leaf would compile two small programs per leaf shape."""
+    return jnp.stack([jnp.isfinite(leaf).all() for leaf in leaves])
+
+
 def _first_non_finite(tree) -> str | None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
-            return path_string(path)
-    return None
+    floating = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+                if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    if not floating:
+        return None
+    bad = np.flatnonzero(~np.asarray(_finite_flags([leaf for _, leaf in floating])))
+    return path_string(floating[bad[0]][0]) if bad.size else None
 
 
 class Checkpointer:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.model.transformer import forward, init
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -39,3 +39,12 @@ def test_pallas_backend_matches_sparse_in_loss_and_gradients(indexer_mode):
     np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-6)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_pallas_platform_is_validated():
+    pallas = dataclasses.replace(CONFIG, attention_backend="pallas", pallas_platform="tpu").validate()
+    valid = r"must be one of \('auto', 'gpu', 'tpu'\)"
+    with pytest.raises(ConfigError, match=r"pallas_platform='cuda' is invalid: " + valid):
+        dataclasses.replace(pallas, pallas_platform="cuda").validate()
+    assert pallas.pallas_options == dict(platform="tpu", interpret=False)
+    assert dataclasses.replace(pallas, pallas_platform="auto").pallas_options == {}

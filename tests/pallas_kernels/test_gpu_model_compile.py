@@ -1,6 +1,7 @@
 """The whole model with attention_backend "pallas" and pallas_platform "gpu" compiles for an H100 inside a full
-training step (DSA warm-up and sparse modes): XLA's GPU compiler and its Triton compiler accept every Pallas
-Triton kernel the model calls, inside jit, grad, the layer scan and the optimizer update. No GPU needed."""
+training step of the DSA warm-up: XLA's GPU compiler and its Triton compiler accept every Pallas Triton kernel
+the model calls, inside jit, grad, the layer scan and the optimizer update. No GPU needed. (The sparse stage's
+kernels are compiled inside `glm5 compile`'s step for an H200 cluster, tests/parallel/test_compile_cli.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +33,12 @@ def _lowered_step(mode: str):
 
 @pytest.mark.gpu_aot
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dsa_warmup", "dsa_sparse"])
-def test_pallas_training_step_compiles_for_h100(mode):
+def test_pallas_dense_warmup_step_compiles_for_h100():
     require_cuda_plugin()
-    lowered = _lowered_step(mode)
+    lowered = _lowered_step("dsa_warmup")
     text = compile_lowered(lowered).as_text()
     kernels = set(triton_kernel_names(text))
     assert "tpu_custom_call" not in text
-    # dsa_sparse: sparse MLA forward + backward, the sparse KL target, the indexer's scores inside top-k;
-    # dsa_warmup (only the indexer trains): the dense KL target and the indexer scores.
-    expected = {"_dense_target_kernel", "_scores_kernel"} if mode == "dsa_warmup" else {
-        "_forward_kernel", "_backward_kernel", "_sparse_target_kernel", "_scores_kernel"}
-    assert expected <= kernels, kernels
+    # Only the indexer trains: the dense KL target and the indexer scores (forward and backward).
+    assert {"_dense_target_kernel", "_scores_kernel"} <= kernels, kernels
     assert max(triton_shared_memory(lowered).values()) <= shared_memory_limit("h100")

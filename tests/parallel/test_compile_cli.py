@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from gpu_compile import triton_kernel_names, triton_shared_memory
 from xla_env import subprocess_env
 
 from glm5_jax.cli import main
@@ -20,16 +21,20 @@ from glm5_jax.config.experiment import load_experiment
 from glm5_jax.parallel.aot import CompileError, abstract_train_step, roofline
 from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats
 from glm5_jax.parallel.topology import CHIPS, TopologyError, get_topology
+from pallas_kernels.shared_memory import shared_memory_limit
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.compute_dtype=bfloat16"]
+# The DSA sparse stage with the Pallas kernels of the named platform: each compile below checks the CLI and, in
+# the same program, that libtpu's Mosaic or the CUDA plugin's Triton compiler takes every kernel the model
+# calls inside a whole sharded training step (the indexer's top-k, sparse MLA forward and backward, the sparse
+# KL target; the dense warm-up's kernels are compiled in tests/ops and tests/pallas_kernels).
+PALLAS_DSA = ["train.mode=dsa_sparse", "model.attention_backend=pallas"]
 
 
-@pytest.mark.slow
-@pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology, mesh", [("v5p-8", ["mesh.fsdp=4"]), ("v6e-8", ["mesh.fsdp=4", "mesh.data=2"])])
-def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch):
-    compiles = []  # (lowered, compiled) of every compile the command runs: the step is compiled once, by it
+def record_compiles(monkeypatch) -> list:
+    """(lowered, compiled) of every compile run from here on, in order."""
+    compiles = []
     compile_lowered = jax.stages.Lowered.compile
 
     def recording_compile(lowered, *args, **kwargs):
@@ -37,6 +42,16 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch)
         return compiles[-1][1]
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", recording_compile)
+    return compiles
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology, mesh", [
+    ("v5p-8", ["mesh.fsdp=4"]),  # the recipes' jnp sparse attention
+    ("v6e-8", ["mesh.fsdp=4", "mesh.data=2", *PALLAS_DSA, "model.pallas_platform=tpu"])])
+def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch):
+    compiles = record_compiles(monkeypatch)  # the step is compiled once, by the command
     config = str(REPO / "configs" / "tiny.yaml")
     code = main(["compile", config, "--topology", topology, *mesh, *SMALL, "--json"])
     out = capsys.readouterr().out
@@ -62,16 +77,38 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch)
     assert roof["bound"] in ("compute", "hbm", "collectives") and report["hbm_traffic_bytes"] > 0
     assert roof["step_s"] == max(roof["compute_s"], roof["hbm_s"], roof["collective_s"]) > 0
     assert re.search(r"^roofline: compute [\d.]+ ms, HBM [\d.]+ ms, collectives [\d.]+ ms", out, re.M)
+    text = compiled.as_text()
+    kernels = mosaic_kernels(text)
+    grouped_matmuls = [name for name in kernels if name in ("gmm", "tgmm")]  # the routed experts, in both
+    assert len(grouped_matmuls) >= 3 and "triton" not in text, kernels
+    assert not report["kernels_without_cost"], report["kernels_without_cost"]
+    dsa_kernels = len(kernels) - len(grouped_matmuls)
+    assert dsa_kernels >= 4 if "model.attention_backend=pallas" in mesh else dsa_kernels == 0, kernels
+
+
+def mosaic_kernels(compiled_text: str) -> list[str]:
+    """Instruction names of the Mosaic kernels (tpu_custom_call) in a compiled module, numbering dropped: the
+    grouped matmuls are named gmm / tgmm, the DSA kernels after the shard_map they run under."""
+    names = re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*custom_call_target="tpu_custom_call"', compiled_text,
+                       re.M)
+    return [re.sub(r"\.\d+$", "", name) for name in names]
 
 
 @pytest.mark.slow
 @pytest.mark.gpu_aot
-def test_compile_for_an_h200_cluster_splits_collectives_by_link(capsys):
+def test_compile_for_an_h200_cluster_splits_collectives_by_link(capsys, monkeypatch):
     # 2 nodes of 8: the fsdp groups stay within a node, the data-parallel pairs cross nodes.
-    args = ["mesh.fsdp=8", "mesh.data=2", *SMALL[1:], "train.batch_size=16"]
+    args = ["mesh.fsdp=8", "mesh.data=2", *SMALL[1:], "train.batch_size=16", *PALLAS_DSA, "model.pallas_platform=gpu"]
+    compiles = record_compiles(monkeypatch)
     code = main(["compile", str(REPO / "configs" / "tiny.yaml"), "--topology", "h200-16", *args, "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
+    (lowered, compiled), = compiles
+    text = compiled.as_text()
+    assert "tpu_custom_call" not in text
+    expected = {"_forward_kernel", "_backward_kernel", "_sparse_target_kernel", "_scores_kernel"}
+    assert expected <= set(triton_kernel_names(text)), triton_kernel_names(text)
+    assert max(triton_shared_memory(lowered).values()) <= shared_memory_limit("h200")
     report = json.loads(out.strip().splitlines()[-1])
     assert report["fits"] and report["chips"] == 16 and report["hbm_bytes"] == CHIPS["h200"].hbm_bytes
     assert report["xla_cost_flops_loops_once"] == 0 and report["matmul_flops"] > 0  # XLA:GPU counts none

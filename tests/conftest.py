@@ -7,6 +7,7 @@ tests check are unchanged. Compiled programs go to a persistent cache shared wit
 start (CLI runs, 8-device checks), so a program compiled once is loaded by every later test, subprocess and
 run in this checkout. The settings travel through the environment, so subprocesses inherit them."""
 
+import importlib.metadata
 import inspect
 import json
 import sys
@@ -90,3 +91,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if len(units[key]) > 1:
             for item in units[key]:
                 item.add_marker(pytest.mark.xdist_group(key))
+
+
+# pytest 9.2 names a test by its structured id, and pytest-xdist 3.8 groups tests by renaming `item._nodeid`,
+# which 9.2 no longer reads: every `xdist_group` is then silently ignored, every shared fixture is built on both
+# workers, and the suite takes far longer. The test extra pins pytest below 9.2.
+BROKEN_GROUPING = {"pytest": (9, 2), "pytest-xdist": (3, 8, 0)}  # from this pytest, up to this pytest-xdist
+
+
+def _version(package: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in importlib.metadata.version(package).split(".")[:3] if part.isdigit())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse, in the controller where the message shows, the versions known to ignore the groups."""
+    if (config.getoption("dist", "no") == "loadgroup" and _version("pytest") >= BROKEN_GROUPING["pytest"]
+            and _version("pytest-xdist") <= BROKEN_GROUPING["pytest-xdist"]):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {importlib.metadata.version('pytest-xdist')} ignores "
+            "the xdist_group marks (shared fixtures would be built on both workers): install the versions the "
+            "test extra allows (pip install -e '.[test]')")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse a worker whose pytest-xdist did not take the groups, whatever the versions (a refused worker
+    stops the run with an INTERNALERROR)."""
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist workers only
+        return
+    ungrouped = [item.nodeid for item in session.items
+                 if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist ignored the xdist_group of {len(ungrouped)} tests (e.g. {ungrouped[0]}) under pytest "
+            f"{pytest.__version__}: install the versions the test extra allows (pip install -e '.[test]')")

@@ -81,6 +81,19 @@ def validate_mesh_fit(cfg: "ExperimentConfig") -> None:
                 _fail("mesh.tensor", mesh.tensor, f"must divide model.{field}={getattr(model, field)}")
     if mesh.expert > 1 and model.n_routed_experts % mesh.expert:
         _fail("mesh.expert", mesh.expert, f"must divide model.n_routed_experts={model.n_routed_experts}")
+    if mesh.context > 1:
+        validate_context_split(mesh.context, train.seq_len, model.attention_backend)
+
+
+def validate_context_split(context: int, seq_len: int, attention_backend: str) -> None:
+    """`mesh.context` splits each sequence into equal shares, two per chip (room for the load-balanced causal
+    order); the Pallas kernels do not run across the split yet."""
+    if seq_len % (2 * context):
+        _fail("mesh.context", context, f"must split train.seq_len={seq_len} into 2 x {context} equal chunks: make "
+              f"the sequence length a multiple of {2 * context}")
+    if attention_backend == "pallas":
+        _fail("mesh.context", context, "is invalid with model.attention_backend=pallas: the kernels do not run "
+              "across a split sequence yet; use attention_backend sparse, dense or auto, or mesh.context=1")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,

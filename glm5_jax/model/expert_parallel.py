@@ -1,7 +1,8 @@
 """Expert parallelism (MoE backend `ep`): tokens travel to the devices that own their experts by all-to-all,
 run there as grouped matmuls, and travel back to be combined; expert weights never move.
 
-Inside `jax.shard_map` tokens are split over the batch axes (`data`, `fsdp`, `expert`) and the routed experts
+Inside `jax.shard_map` tokens are split over the token axes (`data`, `fsdp`, `expert`, then `context`: each
+chip's share of each sequence) and the routed experts
 over `expert` (E / ep experts per device; their model dim over `fsdp` when it is above 1, their hidden width F
 over `tensor`, the partial outputs then summed over `tensor`). The exchange runs among the `ep` devices of one
 `expert` group. Every device:
@@ -39,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
-from glm5_jax.config.mesh import BATCH_AXES
+from glm5_jax.config.mesh import TOKEN_AXES
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import logical_to_spec
 
@@ -96,7 +97,7 @@ def dispatch_layout(local_tokens: int, top_k: int, n_experts: int, expert_shards
 
 
 def _token_axes(mesh: Mesh) -> tuple[str, ...]:
-    return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    return tuple(axis for axis in TOKEN_AXES if axis in mesh.axis_names)
 
 
 def _resolve_transport(transport: str, mesh: Mesh) -> str:
@@ -125,7 +126,7 @@ def _validate(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.A
                                   "every expert rank must own the same number of experts")
     if n_tokens % shards:
         raise ExpertParallelError(f"batch * seq = {n_tokens} tokens cannot be split over the token axes "
-                                  f"(data * fsdp * expert = {shards} devices): make batch * seq divisible by it")
+                                  f"(data * fsdp * expert * context = {shards} devices): make batch * seq divisible by it")
 
 
 def receive_plan(sent: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:

@@ -62,7 +62,7 @@ class MoE(nnx.Module):
         scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # sigmoid affinities [T, E] in fp32
         if expert_choices is None:
             bias = jax.lax.stop_gradient(self.e_score_correction_bias[...]).astype(jnp.float32)
-            expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,))
+            expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,), tokens=True)
         else:
             expert_ids = expert_choices
         expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
@@ -89,7 +89,7 @@ class MoE(nnx.Module):
             # does per layer), their gradients summed over the shards by shard_map's transpose.
             platform = mesh_platform(mesh)
             routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
-                                 (flat, expert_ids, weights), (experts,))
+                                 (flat, expert_ids, weights), (experts,), tokens=True)
             aux_extra = {}
         else:
             routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)

@@ -1,0 +1,161 @@
+"""Context parallelism on 8 fake CPU devices, run by tests/parallel/test_context_parallel.py in one subprocess
+(the device-count flag must be set before jax is imported; the rest of the suite keeps one device).
+
+Every training objective's loss and gradients with each sequence split over `context` (alone and with `fsdp`
+or `expert`) must equal one device's, on packed rows whose documents cross the chips' boundaries, and the
+indexer must pick the same keys. The one-device reference of each objective is computed once; the meshes of
+a mode share nothing but the parameters and the batch (each mesh is one compile).
+
+Usage: python tests/parallel/_context_checks.py     Every check prints "PASS <name>"; a failure exits non-zero.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from glm5_jax.config import TrainConfig, load_model_config  # noqa: E402
+from glm5_jax.config.mesh import BATCH_AXES, CONTEXT_AXIS, MeshConfig  # noqa: E402
+from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
+from glm5_jax.model.transformer import forward, init  # noqa: E402
+from glm5_jax.parallel.sharding import shard_params  # noqa: E402
+from glm5_jax.train.objective import make_objective  # noqa: E402
+
+BATCH, SEQ = 2, 64
+# Packed documents per row (lengths; 0 = padding): boundaries fall inside every chip's share at context 8.
+DOCUMENTS = ([(20, 1), (30, 2), (14, 3)], [(5, 1), (43, 2), (9, 3), (7, 0)])
+
+# mode -> the meshes it runs on (each is one compile of the objective's gradient; the CPU budget of the whole
+# file is 60 s, so the modes whose model code is the same as another's run fewer meshes)
+MESHES = {
+    "pretrain": [dict(context=2), dict(context=4), dict(context=8), dict(context=2, fsdp=2),
+                 dict(context=2, expert=2)],
+    "dsa_sparse": [dict(context=4), dict(context=2, expert=2)],
+    "dsa_warmup": [dict(context=8), dict(context=2, fsdp=2)],
+}
+
+
+def model_config():
+    # Every feature of tiny.yaml (MTP, IndexShare off, MoE); the `ep` dispatch serves one device and meshes
+    # alike, so one model config compiles for every mesh.
+    return dataclasses.replace(load_model_config(REPO / "configs" / "tiny.yaml"), moe_backend="ep",
+                               attention_backend="sparse").validate()
+
+
+def packed_batch(config, sft: bool) -> dict:
+    segment_ids, positions, lengths = (np.zeros((BATCH, SEQ), np.int32) for _ in range(3))
+    for row, documents in enumerate(DOCUMENTS):
+        start = 0
+        for length, segment in documents:
+            segment_ids[row, start:start + length] = segment
+            positions[row, start:start + length] = np.arange(length)
+            lengths[row, start:start + length] = length
+            start += length
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, config.vocab_size), np.int32)
+    loss_mask = segment_ids > 0
+    if sft:  # the first half of each document is its prompt
+        loss_mask &= positions >= lengths // 2
+    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions,
+            "loss_mask": loss_mask.astype(np.int32)}
+
+
+def mesh_of(sizes: dict):
+    cfg = MeshConfig(**sizes)
+    return make_mesh(cfg, jax.devices()[:cfg.num_devices])
+
+
+def close(a, b, name, rtol=1e-5, scaled_atol=1e-5):
+    """allclose with the absolute tolerance relative to the largest magnitude of the expected values."""
+    a, b = np.asarray(a), np.asarray(b)
+    atol = scaled_atol * max(float(np.abs(b).max()), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+
+
+def gradient_fn(config, mode: str, mesh):
+    train = TrainConfig(batch_size=BATCH, seq_len=SEQ, mode=mode).validate()
+    objective = make_objective(config, train, mesh=mesh)
+
+    def value_and_grad(params, batch):
+        (value, (sums, _)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, batch, objective.denominators(batch))
+        return value, sums, grads
+
+    return jax.jit(value_and_grad)
+
+
+def on_mesh(tree, mesh, spec):
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
+
+
+def check_mode(mode: str, config, params, batches: dict) -> None:
+    reference = gradient_fn(config, mode, None)
+    wants = {name: jax.device_get(reference(params, batch)) for name, batch in batches.items()}
+    for sizes in MESHES[mode]:
+        mesh = mesh_of(sizes)
+        fn = gradient_fn(config, mode, mesh)
+        mesh_params = shard_params(params, mesh, config=config)
+        for name, batch in batches.items():
+            value, sums, grads = jax.device_get(fn(mesh_params, on_mesh(batch, mesh, PartitionSpec(BATCH_AXES,
+                                                                                                    CONTEXT_AXIS))))
+            want_value, want_sums, want_grads = wants[name]
+            label = f"{name} on {sizes}"
+            close(value, want_value, f"{label} loss")
+            for key in want_sums:
+                close(sums[key], want_sums[key], f"{label} {key}")
+            moved = 0
+            for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+                close(got, want, f"{label} gradient {jax.tree_util.keystr(path)}")
+                moved += bool(np.abs(want).max() > 0)
+            assert moved > 0, f"{label}: every gradient is zero, the comparison would prove nothing"
+            print(f"PASS {label}: loss {float(value):.6f} and {moved} nonzero gradients equal one device's")
+
+
+def check_topk(config, params, batch) -> None:
+    """The indexer's selections (every layer's global key indices) on a split sequence equal one device's."""
+    def selections(mesh):
+        return jax.jit(lambda p, b: forward(p, b["tokens"], config=config, positions=b["positions"],
+                                            segment_ids=b["segment_ids"], return_logits=False, mtp_steps=0,
+                                            collect_routing=True, mesh=mesh).aux["topk"])
+
+    want = np.asarray(selections(None)(params, batch))
+    assert (want >= SEQ // 2).any(), "no query selected a key in the second half: the split is not exercised"
+    for sizes in (dict(context=8), dict(context=2, fsdp=2)):
+        mesh = mesh_of(sizes)
+        got = np.asarray(selections(mesh)(shard_params(params, mesh, config=config),
+                                          on_mesh(batch, mesh, PartitionSpec(BATCH_AXES, CONTEXT_AXIS))))
+        np.testing.assert_array_equal(got, want, err_msg=f"top-k on {sizes}")
+        print(f"PASS top-k selections on {sizes} equal one device's ({want.shape[0]} layers)")
+
+
+def main(modes: list[str]) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    config = model_config()
+    params = jax.device_get(jax.jit(lambda key: init(config, key))(jax.random.key(0)))
+    lm = {"pretrain": packed_batch(config, sft=False), "sft": packed_batch(config, sft=True)}
+    assert (lm["sft"]["loss_mask"] != lm["pretrain"]["loss_mask"]).any()
+    for mode in modes:
+        if mode == "topk":
+            check_topk(config, params, lm["pretrain"])
+        else:
+            # pretrain and sft run the same objective; sft differs by its loss mask only, so both batches
+            # go through the pretrain objective's compiled gradient.
+            batches = lm if mode == "pretrain" else {mode: lm["pretrain"]}
+            check_mode(mode, config, params, batches)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["topk", *MESHES])

@@ -39,21 +39,28 @@ BATCH, SEQ = 2, 64
 # Packed documents per row (lengths; 0 = padding): boundaries fall inside every chip's share at context 8.
 DOCUMENTS = ([(20, 1), (30, 2), (14, 3)], [(5, 1), (43, 2), (9, 3), (7, 0)])
 
-# mode -> the meshes it runs on (each is one compile of the objective's gradient; the CPU budget of the whole
-# file is 60 s, so the modes whose model code is the same as another's run fewer meshes)
+# mode -> the meshes it runs on. Each is one compile of the objective's gradient (~5 s of CPU) and the file's
+# budget is 60 s, so every mesh of the issue runs in one mode: pretrain (and sft, the same compiled function
+# with another loss mask) on the hardest splits, the DSA modes on the others.
 MESHES = {
-    "pretrain": [dict(context=2), dict(context=4), dict(context=8), dict(context=2, fsdp=2),
-                 dict(context=2, expert=2)],
-    "dsa_sparse": [dict(context=4), dict(context=2, expert=2)],
-    "dsa_warmup": [dict(context=8), dict(context=2, fsdp=2)],
+    "pretrain": [dict(context=8), dict(context=2, fsdp=2), dict(context=2, expert=2)],
+    "dsa_sparse": [dict(context=4)],
+    "dsa_warmup": [dict(context=2)],
 }
+TOPK_MESHES = [dict(context=8), dict(context=2, fsdp=2)]
+# The indexer KL is a sum of small differences of logs, and its gradients (the indexer's) inherit that: on
+# `fsdp` 2 alone (no context split, the batch split that predates it) the KL sum already differs from one
+# device's by 5.6e-5 relative and an indexer gradient by 1.1e-5 of its largest entry, so those get 2e-4 and
+# 5e-5; everything else is held to 1e-5.
+SUM_TOLERANCE = {"indexer_kl": dict(rtol=2e-4)}
+GRAD_TOLERANCE = {"dsa_sparse": dict(scaled_atol=5e-5), "dsa_warmup": dict(scaled_atol=5e-5)}
 
 
 def model_config():
-    # Every feature of tiny.yaml (MTP, IndexShare off, MoE); the `ep` dispatch serves one device and meshes
-    # alike, so one model config compiles for every mesh.
-    return dataclasses.replace(load_model_config(REPO / "configs" / "tiny.yaml"), moe_backend="ep",
-                               attention_backend="sparse").validate()
+    # tiny.yaml with one dense and one MoE layer and one MTP depth (every kind of layer, half the compile
+    # time); the `ep` dispatch serves one device and meshes alike, so one model config compiles for all.
+    return dataclasses.replace(load_model_config(REPO / "configs" / "tiny.yaml"), num_hidden_layers=2,
+                               mtp_num_steps=1, moe_backend="ep", attention_backend="sparse").validate()
 
 
 def packed_batch(config, sft: bool) -> dict:
@@ -115,10 +122,10 @@ def check_mode(mode: str, config, params, batches: dict) -> None:
             label = f"{name} on {sizes}"
             close(value, want_value, f"{label} loss")
             for key in want_sums:
-                close(sums[key], want_sums[key], f"{label} {key}")
+                close(sums[key], want_sums[key], f"{label} {key}", **SUM_TOLERANCE.get(key, {}))
             moved = 0
             for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
-                close(got, want, f"{label} gradient {jax.tree_util.keystr(path)}")
+                close(got, want, f"{label} gradient {jax.tree_util.keystr(path)}", **GRAD_TOLERANCE.get(mode, {}))
                 moved += bool(np.abs(want).max() > 0)
             assert moved > 0, f"{label}: every gradient is zero, the comparison would prove nothing"
             print(f"PASS {label}: loss {float(value):.6f} and {moved} nonzero gradients equal one device's")
@@ -133,7 +140,7 @@ def check_topk(config, params, batch) -> None:
 
     want = np.asarray(selections(None)(params, batch))
     assert (want >= SEQ // 2).any(), "no query selected a key in the second half: the split is not exercised"
-    for sizes in (dict(context=8), dict(context=2, fsdp=2)):
+    for sizes in TOPK_MESHES:
         mesh = mesh_of(sizes)
         got = np.asarray(selections(mesh)(shard_params(params, mesh, config=config),
                                           on_mesh(batch, mesh, PartitionSpec(BATCH_AXES, CONTEXT_AXIS))))

@@ -6,7 +6,8 @@ or `expert`) must equal one device's, on packed rows whose documents cross the c
 indexer must pick the same keys. The one-device reference of each objective is computed once; the meshes of
 a mode share nothing but the parameters and the batch (each mesh is one compile).
 
-Usage: python tests/parallel/_context_checks.py     Every check prints "PASS <name>"; a failure exits non-zero.
+Usage: python tests/parallel/_context_checks.py [topk | pretrain | dsa_sparse | dsa_warmup | scaling ...]
+(default: all but scaling). Every check prints "PASS <name>"; a failure exits non-zero.
 """
 
 import os
@@ -148,6 +149,37 @@ def check_topk(config, params, batch) -> None:
         print(f"PASS top-k selections on {sizes} equal one device's ({want.shape[0]} layers)")
 
 
+def compiled_step(context: int, seq: int):
+    """(per-device matmul FLOPs with every loop trip counted, XLA's temporaries in bytes) of the exact step
+    `glm5 train` builds for tiny.yaml with one sequence of `seq` tokens split over `context` chips: compiled
+    over ShapeDtypeStructs, never run."""
+    from glm5_jax.config.experiment import load_experiment
+    from glm5_jax.parallel.aot import abstract_train_step
+    from glm5_jax.parallel.hlo_stats import hlo_stats
+
+    cfg = load_experiment(REPO / "configs" / "tiny.yaml", [
+        "train.batch_size=1", f"train.seq_len={seq}", "optim.name=adamw", "model.attention_backend=sparse",
+        "mesh.fsdp=1", f"mesh.context={context}"])
+    jitted, state, batch, _ = abstract_train_step(cfg, jax.devices()[:context])
+    compiled = jitted.trace(state, batch).lower().compile()
+    return hlo_stats(compiled.as_text(), context).matmul_flops, compiled.memory_analysis().temp_size_in_bytes
+
+
+def check_scaling(seq: int = 16384, context: int = 4) -> None:
+    """Per-device work and activation memory shrink with the split: context 4 does at most 0.3 of one device's
+    matmul FLOPs at 16K tokens, and its temporaries fall to match."""
+    single_flops, single_temp = compiled_step(1, seq)
+    flops, temp = compiled_step(context, seq)
+    share, memory_share = flops / single_flops, temp / single_temp
+    print(f"context={context} seq={seq}: matmul FLOPs per device {flops:.4g} vs {single_flops:.4g} on one "
+          f"(share {share:.3f}); temporaries {temp / 2**20:.1f} MiB vs {single_temp / 2**20:.1f} MiB "
+          f"(share {memory_share:.3f})")
+    assert share <= 0.3, f"per-device matmul FLOPs are {share:.3f} of one device's at context={context}"
+    assert memory_share <= 0.35, f"per-device temporaries are {memory_share:.3f} of one device's"
+    print(f"PASS context={context} at {seq} tokens: per-device matmul FLOPs {share:.3f} and temporaries "
+          f"{memory_share:.3f} of one device's")
+
+
 def main(modes: list[str]) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     config = model_config()
@@ -157,6 +189,8 @@ def main(modes: list[str]) -> None:
     for mode in modes:
         if mode == "topk":
             check_topk(config, params, lm["pretrain"])
+        elif mode == "scaling":
+            check_scaling()
         else:
             # pretrain and sft run the same objective; sft differs by its loss mask only, so both batches
             # go through the pretrain objective's compiled gradient.

@@ -31,3 +31,12 @@ def test_context_parallel_equals_one_device():
     assert result.returncode == 0, f"context checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
     for name in EXPECTED:
         assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n{result.stdout}"
+
+
+@pytest.mark.slow
+def test_context_split_shrinks_per_device_flops_and_memory():
+    """tiny.yaml's training step at 16K tokens compiled for context 4 and for one device (never run)."""
+    result = subprocess.run([sys.executable, str(CHECKS), "scaling"], capture_output=True, text=True,
+                            env=subprocess_env(), cwd=CHECKS.parents[2], timeout=600)
+    assert result.returncode == 0, f"scaling check failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert "PASS context=4 at 16384 tokens" in result.stdout, result.stdout

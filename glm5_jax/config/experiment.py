@@ -92,8 +92,8 @@ def validate_context_split(context: int, seq_len: int, attention_backend: str) -
         _fail("mesh.context", context, f"must split train.seq_len={seq_len} into 2 x {context} equal chunks: make "
               f"the sequence length a multiple of {2 * context}")
     if attention_backend == "pallas":
-        _fail("mesh.context", context, "is invalid with model.attention_backend=pallas: the kernels do not run "
-              "across a split sequence yet; use attention_backend sparse, dense or auto, or mesh.context=1")
+        _fail("mesh.context", context, "model.attention_backend=pallas does not run across a split sequence "
+              "yet; use attention_backend sparse, dense or auto, or mesh.context=1")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,

@@ -19,13 +19,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from glm5_jax.config.mesh import CONTEXT_AXIS
-from glm5_jax.distributed.batch_local import active_mesh, batch_local, batch_split_axes
-
-
-def context_split(mesh) -> int:
-    """How many chips share each sequence: the `context` axis size of `mesh` (or the mesh traced under)."""
-    mesh = active_mesh(mesh)
-    return 1 if mesh is None else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+from glm5_jax.distributed.batch_local import active_mesh, batch_local, batch_split_axes, context_split
 
 
 def require_whole_sequences(mesh, what: str) -> None:

@@ -47,8 +47,12 @@ MESHES = {
     "pretrain": [dict(context=8), dict(context=2, fsdp=2), dict(context=2, expert=2)],
     "dsa_sparse": [dict(context=4)],
     "dsa_warmup": [dict(context=2)],
+    # the RL loss reads per-token logprobs of the final hidden states (no sequence op of its own); the batch
+    # replays the one-device indexer top-k, which must land on the same tokens. RL runs attention_backend
+    # dense (the expanded form masked to the selection), which no other mode here attends with.
+    "rl": [dict(context=4)],
 }
-TOPK_MESHES = [dict(context=8), dict(context=2, fsdp=2)]
+TOPK_MESHES = [dict(context=8)]
 # The indexer KL is a sum of small differences of logs, and its gradients (the indexer's) inherit that: on
 # `fsdp` 2 alone (no context split, the batch split that predates it) the KL sum already differs from one
 # device's by 5.6e-5 relative and an indexer gradient by 1.1e-5 of its largest entry, so those get 2e-4 and
@@ -94,9 +98,34 @@ def close(a, b, name, rtol=1e-5, scaled_atol=1e-5):
     np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
 
 
+def rl_batch(config, params, batch: dict) -> dict:
+    """An RL batch over the packed rows: targets = the next token within its document, rollout logprobs near
+    the model's own, advantages of both signs, and the one-device routing recorded for replay."""
+    from glm5_jax.train.rl import ADVANTAGES, ROLLOUT_LOGPROBS
+
+    out = forward(params, batch["tokens"], config=config, positions=batch["positions"],
+                  segment_ids=batch["segment_ids"], return_logits=False, mtp_steps=0, collect_routing=True)
+    same_document = batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1]
+    loss_mask = np.pad(same_document & (batch["segment_ids"][:, 1:] > 0), ((0, 0), (0, 1)))
+    rng = np.random.default_rng(0)
+    return {**batch, "targets": np.pad(batch["tokens"][:, 1:], ((0, 0), (0, 1))),
+            "loss_mask": loss_mask.astype(np.int32),
+            ROLLOUT_LOGPROBS: -np.log(config.vocab_size) + rng.normal(0, 0.1, (BATCH, SEQ)).astype(np.float32),
+            ADVANTAGES: rng.normal(0, 1, (BATCH, SEQ)).astype(np.float32),
+            "temperature": np.ones((BATCH,), np.float32),
+            "indexer_topk": np.swapaxes(np.asarray(out.aux["topk"]), 0, 1),
+            **({"expert_choices": np.swapaxes(np.asarray(out.aux["expert_ids"]), 0, 1)}
+               if "expert_ids" in out.aux else {})}
+
+
 def gradient_fn(config, mode: str, mesh):
-    train = TrainConfig(batch_size=BATCH, seq_len=SEQ, mode=mode).validate()
-    objective = make_objective(config, train, mesh=mesh)
+    from glm5_jax.config.rl import RLStepConfig
+    from glm5_jax.train.rl import RLConfig
+
+    train = TrainConfig(batch_size=BATCH, seq_len=SEQ, mode=mode, bias_update_rate=0.0).validate()
+    rl = RLStepConfig(objective=RLConfig(loss="double_sided_is", eps_low=0.2, eps_high=0.2)) if mode == "rl" \
+        else None
+    objective = make_objective(config, train, rl, mesh=mesh)
 
     def value_and_grad(params, batch):
         (value, (sums, _)), grads = jax.value_and_grad(objective, has_aux=True)(
@@ -106,11 +135,21 @@ def gradient_fn(config, mode: str, mesh):
     return jax.jit(value_and_grad)
 
 
-def on_mesh(tree, mesh, spec):
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
+# The batch fields' dims split over `context`: [B, S, ...] on S, recorded routing [B, L, S, ...] on S, [B] none.
+CONTEXT_DIM = {"expert_choices": 2, "indexer_topk": 2, "temperature": None}
+
+
+def split_batch(batch: dict, mesh) -> dict:
+    """Every field split over the batch axes on B and over `context` on its sequence dim."""
+    def spec(key, value):
+        dim = CONTEXT_DIM.get(key, 1)
+        return PartitionSpec(BATCH_AXES, *([None] * (dim - 1) + [CONTEXT_AXIS] if dim else []))
+    return {key: jax.device_put(value, NamedSharding(mesh, spec(key, value))) for key, value in batch.items()}
 
 
 def check_mode(mode: str, config, params, batches: dict) -> None:
+    if mode == "rl":
+        config = dataclasses.replace(config, attention_backend="dense")
     reference = gradient_fn(config, mode, None)
     wants = {name: jax.device_get(reference(params, batch)) for name, batch in batches.items()}
     for sizes in MESHES[mode]:
@@ -118,8 +157,7 @@ def check_mode(mode: str, config, params, batches: dict) -> None:
         fn = gradient_fn(config, mode, mesh)
         mesh_params = shard_params(params, mesh, config=config)
         for name, batch in batches.items():
-            value, sums, grads = jax.device_get(fn(mesh_params, on_mesh(batch, mesh, PartitionSpec(BATCH_AXES,
-                                                                                                    CONTEXT_AXIS))))
+            value, sums, grads = jax.device_get(fn(mesh_params, split_batch(batch, mesh)))
             want_value, want_sums, want_grads = wants[name]
             label = f"{name} on {sizes}"
             close(value, want_value, f"{label} loss")
@@ -144,8 +182,7 @@ def check_topk(config, params, batch) -> None:
     assert (want >= SEQ // 2).any(), "no query selected a key in the second half: the split is not exercised"
     for sizes in TOPK_MESHES:
         mesh = mesh_of(sizes)
-        got = np.asarray(selections(mesh)(shard_params(params, mesh, config=config),
-                                          on_mesh(batch, mesh, PartitionSpec(BATCH_AXES, CONTEXT_AXIS))))
+        got = np.asarray(selections(mesh)(shard_params(params, mesh, config=config), split_batch(batch, mesh)))
         np.testing.assert_array_equal(got, want, err_msg=f"top-k on {sizes}")
         print(f"PASS top-k selections on {sizes} equal one device's ({want.shape[0]} layers)")
 
@@ -195,7 +232,8 @@ def main(modes: list[str]) -> None:
         else:
             # pretrain and sft run the same objective; sft differs by its loss mask only, so both batches
             # go through the pretrain objective's compiled gradient.
-            batches = lm if mode == "pretrain" else {mode: lm["pretrain"]}
+            batches = lm if mode == "pretrain" else {
+                mode: rl_batch(config, params, lm["pretrain"]) if mode == "rl" else lm["pretrain"]}
             check_mode(mode, config, params, batches)
 
 

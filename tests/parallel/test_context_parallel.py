@@ -15,11 +15,11 @@ CHECKS = Path(__file__).with_name("_context_checks.py")
 # on import, so it is not imported here).
 EXPECTED = [
     "top-k selections on {'context': 8}",
-    "top-k selections on {'context': 2, 'fsdp': 2}",
     *(f"{batch} on {sizes}" for sizes in ("{'context': 8}", "{'context': 2, 'fsdp': 2}",
                                           "{'context': 2, 'expert': 2}") for batch in ("pretrain", "sft")),
     "dsa_sparse on {'context': 4}",
     "dsa_warmup on {'context': 2}",
+    "rl on {'context': 4}",
 ]
 
 

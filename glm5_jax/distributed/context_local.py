@@ -7,10 +7,13 @@ rows and its S / context queries, and all-gathers the key-side inputs over `cont
 global token order). Its queries then score every key by global position; the autodiff transpose of the
 all-gather is a reduce-scatter, so key gradients come back summed to the chips that own those tokens.
 
-`fn` receives `q_offset`, the global index of the chip's first query (the masks' causal offset). On one chip
-it is the Python int 0, the keys are the queries' own tokens, and the call is `batch_local`'s: a single-device
-run is the context = 1 case of the same code. Chips hold contiguous shares today; a load-balanced order would
-replace the offset by explicit query positions here.
+`fn` receives `q_offset`, the global index of the chip's first query (the masks' causal offset). Without a
+context split it is the Python int 0 and the keys are the queries' own tokens: a single-device run is the
+context = 1 case of the same code, and on a mesh GSPMD partitions it as before (heads over `tensor` too), or
+`batch_local` runs it when it sorts along rows (top-k), which GSPMD cannot partition. Inside the context
+split every input is whole over the axes other than the batch axes and `context` (heads are not split over
+`tensor` there yet). Chips hold contiguous shares today; a load-balanced order would replace the offset by
+explicit query positions here.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ def require_whole_sequences(mesh, what: str) -> None:
                          "model.attention_backend sparse, dense or auto, or mesh.context=1")
 
 
-def context_local(fn, mesh, queries: tuple, keys: tuple):
+def context_local(fn, mesh, queries: tuple, keys: tuple, *, sorts_rows: bool = False):
     """`fn(q_offset, *queries, *keys)` on each chip's batch rows and share of the queries, with the `keys`
     arrays all-gathered over `context`. Every input is [B, S, ...] (S = the global sequence); every output
-    must be per query, [B, S, ...], and comes back split like the queries."""
+    must be per query, [B, S, ...], and comes back split like the queries. `sorts_rows`: fn sorts along rows
+    (top-k), so without a context split it still runs on each device's own rows (`batch_local`)."""
     split = context_split(mesh)
     if split == 1:
-        return batch_local(lambda *args: fn(0, *args), mesh, queries + keys)
+        if sorts_rows:
+            return batch_local(lambda *args: fn(0, *args), mesh, queries + keys)
+        return fn(0, *queries, *keys)
     shapes = {x.shape[:2] for x in queries + keys}
     if len(shapes) != 1:
         raise ValueError(f"context_local: the inputs disagree on their [batch, seq] dims: {sorted(shapes)}")

@@ -22,7 +22,6 @@ import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 

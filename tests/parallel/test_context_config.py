@@ -50,6 +50,9 @@ def test_context_split_refusals_name_the_field():
 
 def test_one_device_is_the_context_one_case_with_offset_zero():
     require_whole_sequences(None, "a kernel")  # no split: nothing to refuse
+    split = jax.sharding.AbstractMesh((2, 2), ("fsdp", "context"))
+    with pytest.raises(ValueError, match=r"mesh.context=2 is invalid for the sparse MLA kernel"):
+        require_whole_sequences(split, "the sparse MLA kernel")
     q, k = jnp.arange(6.0).reshape(1, 3, 2), jnp.ones((1, 3, 2))
     offsets = []
     out = context_local(lambda offset, q, k: offsets.append(offset) or q + k, None, (q,), (k,))

@@ -49,8 +49,9 @@ from glm5_jax.parallel.topology import TopologyError, get_topology
 from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.run_lock import RunLockedError
 
-PLAN_USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.tensor=N] [batch=N seq=N "
-              "remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] [model.key=value ...]")
+PLAN_USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.context=N mesh.tensor=N] "
+              "[batch=N seq=N remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] "
+              "[model.key=value ...]")
 
 
 def _peak_rss_gib() -> float:

@@ -1,4 +1,4 @@
-"""The `mesh:` section: sizes of the four named device-mesh axes (`glm5_jax.distributed.mesh` builds the mesh)."""
+"""The `mesh:` section: sizes of the five named device-mesh axes (`glm5_jax.distributed.mesh` builds the mesh)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ from typing import Any
 
 from glm5_jax.config.core import parse_overrides
 
-AXIS_NAMES = ("data", "fsdp", "expert", "tensor")
-# Axes that split the batch of tokens (every axis but `tensor`), outermost first.
+AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")
+# Axes that split the batch of sequences, outermost first.
 BATCH_AXES = ("data", "fsdp", "expert")
+# The axis that splits each sequence (context parallelism): the "seq" logical axis of activations.
+CONTEXT_AXIS = "context"
+# Axes that split the flattened tokens [B * S] (batch rows outermost, then each row's sequence split), so a
+# token's place under them is its place in the [B, S] layout split over BATCH_AXES and CONTEXT_AXIS.
+TOKEN_AXES = BATCH_AXES + (CONTEXT_AXIS,)
 
 
 class MeshConfigError(ValueError):
@@ -19,12 +24,13 @@ class MeshConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes; their product must equal the number of devices used. One axis may be -1:
-    it takes the devices the others leave (`resolve`)."""
+    """Sizes of the five mesh axes; their product must equal the number of devices used. One axis may be -1:
+    it takes the devices the others leave (`resolve`). `context` splits each sequence (not the batch)."""
 
     data: int = 1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     def __post_init__(self):
@@ -64,7 +70,7 @@ class MeshConfig:
             sizes = " x ".join(f"{name}={size}" for name, size in self.axis_sizes().items())
             raise MeshConfigError(
                 f"mesh {sizes} has {self.num_devices} devices but {device_count} are available: the product of "
-                "mesh.data, mesh.fsdp, mesh.expert and mesh.tensor must equal the device count")
+                "mesh.data, mesh.fsdp, mesh.expert, mesh.context and mesh.tensor must equal the device count")
         return self
 
     @classmethod

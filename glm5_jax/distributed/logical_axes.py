@@ -17,12 +17,13 @@ from typing import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from glm5_jax.config.mesh import BATCH_AXES
+from glm5_jax.config.mesh import BATCH_AXES, CONTEXT_AXIS
 
 # Logical name -> candidate mesh axes, in the order they are taken.
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
-    "seq": (),
+    # Context parallelism: each chip holds a contiguous share of every sequence's tokens.
+    "seq": (CONTEXT_AXIS,),
     # Weights other than the routed experts are FSDP-sharded over every chip that does not split experts
     # already: `fsdp`, then `expert` (wide expert parallelism keeps `fsdp` small or 1).
     "embed": ("fsdp", "expert"),

@@ -1,9 +1,11 @@
-"""Device meshes with the four named axes `data`, `fsdp`, `expert`, `tensor` (any of size 1).
+"""Device meshes with the five named axes `data`, `fsdp`, `expert`, `context`, `tensor` (any of size 1).
 
 Axis roles: `data` replicates parameters and splits the batch; `fsdp` splits the batch and shards every
 parameter on one large dim (gathered per layer when used); `expert` splits the batch outside the MoE and the
-routed experts inside it; `tensor` splits heads, MLP hidden and vocabulary. `tensor` is the innermost axis so
-that its frequent all-reduces stay on the fastest links.
+routed experts inside it; `context` splits each sequence (DSA's compact keys are all-gathered over it,
+`glm5_jax.distributed.context_local`); `tensor` splits heads, MLP hidden and vocabulary. `tensor` is the
+innermost axis so that its frequent all-reduces stay on the fastest links, `context` next to it (its
+per-layer key all-gathers are the next most frequent).
 
 Axis types are `AxisType.Auto`: the model code stays sharding-agnostic, GSPMD propagates the parameter
 shardings and the `constrain` hints, and `jax.shard_map` (expert parallelism) runs inside `jax.jit` the same

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
 from glm5_jax.ops.platform import uses_kernels
@@ -86,15 +87,12 @@ class MLA(nnx.Module):
         """[B, S, H, P] -> [B, S, D]."""
         return jnp.einsum("BSHP,HPD->BSD", heads_out, self.o_proj.weight(heads_out.dtype))
 
-    def expanded_attention(self, proj: Projection, allowed: jax.Array, return_probs: bool = False):
-        """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
-
-        Returns per-head outputs [B, S, H, P] (and the probabilities [B, H, S, T] when asked)."""
-        config = self.config
-        dtype = proj.q_nope.dtype
-        w_uk, w_uv = self._split_kv_b(dtype)
-        latent = proj.rows[..., : config.kv_lora_rank]
-        k_rope = proj.rows[..., config.kv_lora_rank:]
+    def expanded_inputs(self, proj: Projection) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The expanded form's per-head queries [B, S, H, K'+R], keys [B, T, H, K'+R] and values [B, T, H, P]:
+        the latent expanded through kv_b_proj, the rope key broadcast to every head."""
+        w_uk, w_uv = self._split_kv_b(proj.q_nope.dtype)
+        latent = proj.rows[..., : self.config.kv_lora_rank]
+        k_rope = proj.rows[..., self.config.kv_lora_rank:]
         k_nope = jnp.einsum("BTC,CHK->BTHK", latent, w_uk)
         values = jnp.einsum("BTC,CHP->BTHP", latent, w_uv)
         # One contraction over [nope ; rope] (the rope key broadcast to every head): a single matmul instead of
@@ -102,10 +100,13 @@ class MLA(nnx.Module):
         queries = jnp.concatenate([proj.q_nope, proj.q_rope], axis=-1)
         keys = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
-        probs = visible_softmax(logits * config.softmax_scale, allowed[:, None]).astype(dtype)
-        out = jnp.einsum("BHST,BTHP->BSHP", probs, values)
-        return (out, probs) if return_probs else out
+        return queries, keys, values
+
+    def expanded_attention(self, proj: Projection, allowed: jax.Array, return_probs: bool = False):
+        """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
+
+        Returns per-head outputs [B, S, H, P] (and the probabilities [B, H, S, T] when asked)."""
+        return masked_attention(*self.expanded_inputs(proj), allowed, self.config.softmax_scale, return_probs)
 
     def absorbed_queries(self, proj: Projection) -> jax.Array:
         """Queries in latent space [B, S, H, C + R]: q_nope folded through W_UK, rope part unchanged."""
@@ -125,8 +126,15 @@ class MLA(nnx.Module):
         batch, num_queries = proj.q_nope.shape[:2]
         num_keys = proj.rows.shape[1]
         if choose_backend(config, batch, num_queries, num_keys) == "dense":
-            allowed = visible_keys(q_segment_ids, k_segment_ids, q_offset) & selected_mask(indices, num_keys)
-            heads = self.expanded_attention(proj, allowed)
+            queries, keys, values = self.expanded_inputs(proj)
+
+            def selected_attention(chip_offset, queries, q_segment_ids, indices, keys, values, k_segment_ids):
+                allowed = (visible_keys(q_segment_ids, k_segment_ids, q_offset + chip_offset)
+                           & selected_mask(indices, keys.shape[1]))
+                return masked_attention(queries, keys, values, allowed, config.softmax_scale)
+
+            heads = context_local(selected_attention, mesh, (queries, q_segment_ids, indices),
+                                  (keys, values, k_segment_ids))
         else:
             latent_out = sparse_attention(self.absorbed_queries(proj), proj.rows, indices, config=config, mesh=mesh)
             heads = self.latent_to_heads(latent_out)
@@ -145,8 +153,14 @@ class MLA(nnx.Module):
         """Dense attention over every `visible` key [B, S, T] and the head-mean probability target [B, S, T]:
         the expanded form returns its probabilities with its output; the kernels work in the absorbed form."""
         if not uses_kernels(self.config):
-            heads, probs = self.expanded_attention(proj, visible, return_probs=True)
-            return self.output_projection(heads), head_mean_target(probs)
+            def with_target(_, queries, visible, keys, values):
+                heads, probs = masked_attention(queries, keys, values, visible, self.config.softmax_scale,
+                                                return_probs=True)
+                return heads, head_mean_target(probs)
+
+            queries, keys, values = self.expanded_inputs(proj)
+            heads, target = context_local(with_target, mesh, (queries, visible), (keys, values))
+            return self.output_projection(heads), target
         latent, target = dense_attention_with_target(self.absorbed_queries(proj), proj.rows, visible, segment_ids,
                                                      config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target
@@ -157,6 +171,16 @@ class MLA(nnx.Module):
         latent, target = sparse_attention_with_target(self.absorbed_queries(proj), proj.rows, indices,
                                                       config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target
+
+
+def masked_attention(queries: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array, scale: float,
+                     return_probs: bool = False):
+    """Per-head softmax attention of queries [B, S, H, K] over keys [B, T, H, K] / values [B, T, H, P] where
+    `allowed` [B, S, T]; fp32 softmax. Returns [B, S, H, P] (and the probabilities [B, H, S, T] when asked)."""
+    logits = jnp.einsum("BSHK,BTHK->BHST", queries, keys).astype(jnp.float32)
+    probs = visible_softmax(logits * scale, allowed[:, None]).astype(queries.dtype)
+    out = jnp.einsum("BHST,BTHP->BSHP", probs, values)
+    return (out, probs) if return_probs else out
 
 
 def choose_backend(config: ModelConfig, batch: int, num_queries: int, num_keys: int) -> str:

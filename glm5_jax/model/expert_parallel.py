@@ -1,7 +1,8 @@
 """Expert parallelism (MoE backend `ep`): tokens travel to the devices that own their experts by all-to-all,
 run there as grouped matmuls, and travel back to be combined; expert weights never move.
 
-Inside `jax.shard_map` tokens are split over the batch axes (`data`, `fsdp`, `expert`) and the routed experts
+Inside `jax.shard_map` tokens are split over the token axes (`data`, `fsdp`, `expert`, then `context`: each
+chip's share of each sequence) and the routed experts
 over `expert` (E / ep experts per device; their model dim over `fsdp` when it is above 1, their hidden width F
 over `tensor`, the partial outputs then summed over `tensor`). The exchange runs among the `ep` devices of one
 `expert` group. Every device:
@@ -39,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
-from glm5_jax.config.mesh import BATCH_AXES
+from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import logical_to_spec
 
@@ -95,10 +96,6 @@ def dispatch_layout(local_tokens: int, top_k: int, n_experts: int, expert_shards
     return DispatchLayout(local_tokens, top_k, n_experts, expert_shards, rows)
 
 
-def _token_axes(mesh: Mesh) -> tuple[str, ...]:
-    return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
-
-
 def _resolve_transport(transport: str, mesh: Mesh) -> str:
     if transport != "auto":
         return transport
@@ -110,11 +107,12 @@ def _validate(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.A
               expert_shards: int) -> None:
     if sorted(experts) != ["down_proj", "gate_proj", "up_proj"]:
         raise ExpertParallelError(f"experts must hold gate_proj, up_proj and down_proj, got keys {sorted(experts)}")
-    if x.ndim != 2:
-        raise ExpertParallelError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
-    n_tokens = x.shape[0]
-    if expert_ids.ndim != 2 or expert_ids.shape[0] != n_tokens:
-        raise ExpertParallelError(f"expert_ids must be [tokens={n_tokens}, experts per token], got shape "
+    if x.ndim not in (2, 3):
+        raise ExpertParallelError(f"x must be [tokens, hidden] or [batch, seq, hidden], got shape {tuple(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    n_tokens = math.prod(lead)
+    if expert_ids.ndim != x.ndim or tuple(expert_ids.shape[:-1]) != lead:
+        raise ExpertParallelError(f"expert_ids must be [{', '.join(map(str, lead))}, experts per token], got shape "
                                   f"{tuple(expert_ids.shape)}")
     if tuple(weights.shape) != tuple(expert_ids.shape):
         raise ExpertParallelError(f"weights has shape {tuple(weights.shape)}, expected expert_ids' shape "
@@ -125,7 +123,8 @@ def _validate(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.A
                                   "every expert rank must own the same number of experts")
     if n_tokens % shards:
         raise ExpertParallelError(f"batch * seq = {n_tokens} tokens cannot be split over the token axes "
-                                  f"(data * fsdp * expert = {shards} devices): make batch * seq divisible by it")
+                                  f"({shards} devices of data, fsdp, expert, context): make batch * seq "
+                                  "divisible by it")
 
 
 def receive_plan(sent: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -236,44 +235,52 @@ def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array
 
 def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, config,
                mesh: Mesh | None) -> tuple[jax.Array, dict]:
-    """Routed-expert output [T, D] of x [T, D] for choices expert_ids [T, A] with fp32 weights [T, A].
+    """Routed-expert output [..., D] of x [T, D] or [B, S, D] for choices expert_ids [..., A] with fp32 weights
+    [..., A]. Tokens [B, S] are split like the activations (batch axes on B, `context` on S), [T] over the
+    token axes; each device flattens its own block.
 
     Returns (output, {"dropped_assignments": int32 global count}). With `mesh` None everything runs on one
     device (same capacity rule, no collectives)."""
     capacity_factor, transport = capacity_settings(config)
     n_experts = experts["gate_proj"].shape[0]
+    top_k = expert_ids.shape[-1]
+    if mesh is not None and flattens_outside(mesh, tuple(x.shape[:-1])):
+        routed, aux = experts_ep(experts, x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, top_k),
+                                 weights.reshape(-1, top_k), config, mesh)
+        return routed.reshape(x.shape), aux
     if mesh is None:
         _validate(experts, x, expert_ids, weights, 1, 1)
-        layout = dispatch_layout(x.shape[0], expert_ids.shape[1], n_experts, 1, capacity_factor)
-        routed, dropped = dispatch_without_exchange(experts, x, expert_ids, weights, layout)
-        return routed, {"dropped_assignments": dropped}
+        layout = dispatch_layout(math.prod(x.shape[:-1]), top_k, n_experts, 1, capacity_factor)
+        routed, dropped = dispatch_without_exchange(experts, x.reshape(-1, x.shape[-1]),
+                                                    expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k), layout)
+        return routed.reshape(x.shape), {"dropped_assignments": dropped}
 
     if EXPERT_AXIS not in mesh.axis_names:
         raise ExpertParallelError(f"mesh axes {mesh.axis_names} lack {EXPERT_AXIS!r}: build the mesh with "
                                   "glm5_jax.distributed.mesh.make_mesh")
-    token_axes = _token_axes(mesh)
+    token_spec = token_split_spec(mesh, tuple(x.shape[:-1])) or PartitionSpec()
+    token_axes = spec_axes(token_spec)
     shards = math.prod(mesh_axis_size(mesh, axis) for axis in token_axes)
     expert_shards = mesh_axis_size(mesh, EXPERT_AXIS)
     _validate(experts, x, expert_ids, weights, shards, expert_shards)
-    layout = dispatch_layout(x.shape[0] // shards, expert_ids.shape[1], n_experts, expert_shards, capacity_factor)
+    layout = dispatch_layout(math.prod(x.shape[:-1]) // shards, top_k, n_experts, expert_shards, capacity_factor)
     exchange = _exchange(_resolve_transport(transport, mesh), layout)
     platform = mesh.devices.flat[0].platform
     # F split over `tensor` when it divides; the partial outputs are then summed over `tensor`.
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), experts["gate_proj"].shape, mesh)
     down_spec = logical_to_spec(("experts", "expert_mlp", None), experts["down_proj"].shape, mesh)
     tensor_split = up_spec[2] is not None
-    token_spec = PartitionSpec(token_axes)
 
     def local(experts_local, x_local, ids_local, weights_local):
+        flat = (x_local.reshape(-1, x_local.shape[-1]), ids_local.reshape(-1, top_k),
+                weights_local.reshape(-1, top_k))
         if exchange is None:
-            routed, dropped = dispatch_without_exchange(experts_local, x_local, ids_local, weights_local, layout,
-                                                        platform)
+            routed, dropped = dispatch_without_exchange(experts_local, *flat, layout, platform)
         else:
-            routed, dropped = _dispatch_compute_combine(experts_local, x_local, ids_local, weights_local, layout,
-                                                        exchange, platform)
+            routed, dropped = _dispatch_compute_combine(experts_local, *flat, layout, exchange, platform)
         if tensor_split:
             routed = jax.lax.psum(routed, TENSOR_AXIS)
-        return routed, jax.lax.psum(dropped, token_axes)
+        return routed.reshape(x_local.shape), jax.lax.psum(dropped, token_axes) if token_axes else dropped
 
     expert_specs = {"gate_proj": up_spec, "up_proj": up_spec, "down_proj": down_spec}
     # check_vma off: the CPU blocked experts' loop carries start as unsharded zeros (jax would ask for pcasts);

@@ -5,6 +5,8 @@ Indexer distribution: softmax of the index scores. Loss per query: KL(p || softm
 - `dense_warmup`: attention stays dense over every visible key; the KL runs over all of them.
 - `sparse`: attention over the selected top-k only; the KL is restricted to the selected set.
 The indexer reads detached inputs, so it learns only from the KL and the model only from the LM loss.
+Under context parallelism every per-query term runs on each chip's queries against the keys gathered over
+`context` (`glm5_jax.distributed.context_local`); the masks and sums over [B, S] stay global arrays.
 On IndexShare "shared" layers the KL trains the source layer's indexer toward this layer's attention too
 (the one indexer serves both layers).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.attention import MLA, Projection
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
@@ -64,7 +67,9 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
     elif mode == "sparse":
         out, p = attn.attend_sparse_with_target(proj, topk, mesh)
         p = jax.lax.stop_gradient(p)
-        kl = _selected_kl(p, q_i, w_i, k_i, topk, config.index_query_chunk)
+        kl = context_local(lambda _, p, q_i, w_i, topk, k_i: _selected_kl(p, q_i, w_i, k_i, topk,
+                                                                         config.index_query_chunk),
+                           mesh, (p, q_i, w_i, topk), (k_i,))
         captured = jnp.where(ctx.token_mask, 1.0, 0.0)  # the attention *is* the selected set
     else:
         raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.distributed.batch_local import batch_local, mesh_platform
+from glm5_jax.distributed.batch_local import mesh_platform, token_local
 from glm5_jax.model.expert_parallel import experts_ep
 from glm5_jax.model.experts import experts_ragged, experts_reference
 from glm5_jax.model.layers import Linear, SwiGLU
@@ -53,16 +53,18 @@ class MoE(nnx.Module):
 
     def route(self, x: jax.Array, expert_choices: jax.Array | None = None,
               mesh=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Pick experts per token. x [T, D] -> (expert ids [T, A] int32, weights [T, A] fp32, scores s [T, E]).
+        """Pick experts per token. x [T, D] or [B, S, D] -> (expert ids [..., A] int32, weights [..., A] fp32,
+        scores s [..., E]).
 
         The correction bias only shifts *selection*; the weights are the unbiased scores, normalised and
-        scaled. `expert_choices` [T, A] replays recorded choices (routing replay): the bias is then ignored
-        entirely. The top-k runs on each device's own tokens (`batch_local`)."""
+        scaled. `expert_choices` [..., A] replays recorded choices (routing replay): the bias is then ignored
+        entirely. The top-k runs on each device's own tokens (`token_local`)."""
         config = self.config
-        scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # sigmoid affinities [T, E] in fp32
+        scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # sigmoid affinities [..., E] in fp32
         if expert_choices is None:
             bias = jax.lax.stop_gradient(self.e_score_correction_bias[...]).astype(jnp.float32)
-            expert_ids = batch_local(lambda c: choose_experts(c, config), mesh, (scores + bias,))
+            expert_ids = token_local(lambda c: choose_experts(c, config), mesh, (scores + bias,),
+                                     token_dims=x.ndim - 1)
         else:
             expert_ids = expert_choices
         expert_ids = jax.lax.stop_gradient(expert_ids).astype(jnp.int32)
@@ -75,33 +77,34 @@ class MoE(nnx.Module):
                  mesh=None) -> tuple[jax.Array, dict]:
         """x [B, S, D] -> (output [B, S, D], aux with expert counts, balance terms and the chosen experts)."""
         config = self.config
+        # Tokens stay [B, S, ...] outside the per-device dispatch, split like the activations (batch axes on B,
+        # `context` on S); each device flattens its own block (`token_local`, `experts_ep`).
         b, s, d = x.shape
-        flat = x.reshape(b * s, d)
-        replay = None if expert_choices is None else expert_choices.reshape(b * s, -1)
-        expert_ids, weights, scores = self.route(flat, replay, mesh)
+        expert_ids, weights, scores = self.route(x, expert_choices, mesh)
         experts = self.experts.arrays()
         backend = config.moe_backend
         if backend == "reference":
-            routed = experts_reference(experts, flat, expert_ids, weights)
+            routed = experts_reference(experts, x.reshape(b * s, d), expert_ids.reshape(b * s, -1),
+                                       weights.reshape(b * s, -1)).reshape(b, s, d)
             aux_extra = {}
         elif backend == "ragged":
             # Sort-based dispatch of each device's own tokens; the expert weights are gathered whole (as FSDP
             # does per layer), their gradients summed over the shards by shard_map's transpose.
             platform = mesh_platform(mesh)
-            routed = batch_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
-                                 (flat, expert_ids, weights), (experts,))
+            routed = token_local(lambda x, ids, w, experts: experts_ragged(experts, x, ids, w, platform), mesh,
+                                 (x, expert_ids, weights), (experts,), token_dims=2)
             aux_extra = {}
         else:
-            routed, aux_extra = experts_ep(experts, flat, expert_ids, weights, config, mesh)
-        out = routed + self.shared_experts(flat)
+            routed, aux_extra = experts_ep(experts, x, expert_ids, weights, config, mesh)
+        out = routed + self.shared_experts(x)
         aux = {
-            "expert_counts": expert_counts(expert_ids, token_mask.reshape(-1), config.n_routed_experts),
-            "balance_terms": sequence_balance_terms(scores.reshape(b, s, -1), expert_ids.reshape(b, s, -1),
-                                                    token_mask, config),
-            "expert_ids": expert_ids.reshape(b, s, -1),
+            "expert_counts": expert_counts(expert_ids.reshape(b * s, -1), token_mask.reshape(-1),
+                                           config.n_routed_experts),
+            "balance_terms": sequence_balance_terms(scores, expert_ids, token_mask, config),
+            "expert_ids": expert_ids,
             **aux_extra,
         }
-        return out.reshape(b, s, d), aux
+        return out, aux
 
 
 def choose_experts(choice: jax.Array, config: ModelConfig) -> jax.Array:

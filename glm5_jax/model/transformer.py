@@ -107,7 +107,7 @@ class GLM5(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         ctx = layer_context(positions, segment_ids, config)
 
-        x = self.embed(tokens, dtype_of(config.compute_dtype))
+        x = constrain(self.embed(tokens, dtype_of(config.compute_dtype)), ACTIVATION_AXES, mesh)
         keys = s if cache is None else cache.latent.shape[2]
         topk = jnp.zeros((b, s, min(config.index_topk, keys)), jnp.int32)
         nd = config.num_dense_layers
@@ -125,7 +125,7 @@ class GLM5(nnx.Module):
                 expert_choices=choices, topk_override=override, indexer_mode=indexer_mode, mesh=mesh, cache=cache,
                 positions=positions)
 
-        hidden = self.final_norm.rms_norm(x, config.rms_norm_eps)
+        hidden = constrain(self.final_norm.rms_norm(x, config.rms_norm_eps), ACTIVATION_AXES, mesh)
         aux = dict(aux_by_stack.get("moe_layers", {}))
         if indexer_mode is not None:
             for key in ("indexer_kl_sum", "indexer_kl_count", "topk_mass_sum"):

@@ -9,5 +9,6 @@ Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Tr
 `ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference
 (`pallas_kernels.sparse_latent`, `pallas_kernels.chunked_topk`; memory bounded by query blocks). Kernels run
 under `shard_map` over the batch axes of the mesh (`distributed.batch_local`): GSPMD cannot partition a Mosaic
-kernel.
+kernel; they refuse a sequence split over `context`. The jnp path runs under `distributed.context_local`: each
+chip's queries against the key rows all-gathered over `context`, by global position (on one chip, offset 0).
 """

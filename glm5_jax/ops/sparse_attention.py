@@ -5,7 +5,8 @@ Every head of a query attends over the same selected rows [c ; k_rope] (width C 
 q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
 `pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
 kernels are `pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under
-`shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel."""
+`shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel. The jnp path runs under
+`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import batch_local
+from glm5_jax.distributed.context_local import context_local, require_whole_sequences
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
 from pallas_kernels.sparse_latent import sparse_latent_attention
@@ -28,10 +30,16 @@ def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, confi
                      mesh=None) -> jax.Array:
     """The latent attention output [B, S, H, C] over the selected rows."""
     if uses_kernels(config):
+        require_whole_sequences(mesh, "the sparse MLA kernel (attention_backend pallas)")
         return batch_local(lambda q, rows, indices: _kernel_attention(q, rows, indices, config)[0], mesh,
                            (q, rows, indices))
+    return context_local(lambda _, q, indices, rows: _jnp_attention(q, rows, indices, config)[0], mesh,
+                         (q, indices), (rows,))
+
+
+def _jnp_attention(q, rows, indices, config: ModelConfig):
     return sparse_latent_attention(q, rows, indices, config.softmax_scale, config.kv_lora_rank,
-                                   config.index_query_chunk)[0]
+                                   config.index_query_chunk)
 
 
 def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
@@ -40,9 +48,11 @@ def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Arr
     The jnp path returns the target from its forward pass; the kernels rebuild it from the lse. Neither keeps
     gathered rows for the backward."""
     if not uses_kernels(config):
-        latent, _, target = sparse_latent_attention(q, rows, indices, config.softmax_scale, config.kv_lora_rank,
-                                                    config.index_query_chunk)
-        return latent, target
+        def jnp_path(_, q, indices, rows):
+            latent, _, target = _jnp_attention(q, rows, indices, config)
+            return latent, target
+        return context_local(jnp_path, mesh, (q, indices), (rows,))
+    require_whole_sequences(mesh, "the sparse MLA kernel (attention_backend pallas)")
 
     def kernels(q, rows, indices):
         latent, lse = _kernel_attention(q, rows, indices, config)
@@ -63,6 +73,7 @@ def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Arra
     if not uses_kernels(config):
         raise ValueError(f"dense_attention_with_target runs the kernels of attention_backend "
                          f"'pallas'; attention_backend={config.attention_backend!r} uses the expanded form")
+    require_whole_sequences(mesh, "the dense attention target kernel (attention_backend pallas)")
 
     def kernels(q, rows, visible, segment_ids):
         every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)

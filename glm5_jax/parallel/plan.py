@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from glm5_jax.config import REMAT_POLICIES, ModelConfig, TrainConfig
-from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
+from glm5_jax.config import REMAT_POLICIES, ConfigError, ModelConfig, TrainConfig
+from glm5_jax.config.experiment import validate_context_split
+from glm5_jax.config.mesh import BATCH_AXES, CONTEXT_AXIS, MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
                                                dispatch_without_exchange)
@@ -285,14 +286,16 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
         group = math.prod(size for axis, size in _gather_sizes(path_names(path), sizes).items() if axis in used)
         fsdp_gather += 2 * (group - 1) * shard  # forward, then again for the backward
         grad_reduce_scatter += (group - 1) * shard
-        replicas = math.prod(sizes[a] for a in BATCH_AXES if a not in used)
+        # Every chip that holds the same shard computes a gradient for it: the batch axes and `context`.
+        replicas = math.prod(sizes[a] for a in (*BATCH_AXES, CONTEXT_AXIS) if a not in used)
         grad_all_reduce += 2 * (replicas - 1) * shard // replicas
     recompute = 0 if config.remat_policy == "none" else 1
     mtp_steps = config.mtp_num_steps if config.num_nextn_predict_layers else 0
     layers = config.num_hidden_layers + mtp_steps
     moe_layers = config.num_moe_layers + mtp_steps
     passes = 2 + recompute  # forward, backward, remat recompute
-    tokens = batch * seq
+    cp = sizes[CONTEXT_AXIS]
+    tokens = batch * seq // cp  # this device's: its sequences' share over `context`
     act = jnp.dtype(config.compute_dtype).itemsize
 
     expert_all_to_all = 0
@@ -312,16 +315,20 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
         index_scores = tokens * seq * 4 if local_config.index_n_heads < config.index_n_heads else 0
         per_layer = 2 * per_reduce(hidden) + per_reduce(index_scores)
         tensor_all_reduce = layers * passes * per_layer + 2 * per_reduce(hidden)  # + embedding fwd/bwd
+    # Context parallelism: every DSA layer all-gathers its compact keys (latent rows C + R, indexer key J) over
+    # `context` in the forward and the remat recompute, and reduce-scatters their gradients in the backward.
+    key_width = config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
+    context_all_gather = layers * passes * (cp - 1) * tokens * key_width * act
     return {"fsdp_all_gather": fsdp_gather, "fsdp_reduce_scatter": grad_reduce_scatter,
             "data_all_reduce": grad_all_reduce, "expert_all_to_all": expert_all_to_all,
-            "tensor_all_reduce": tensor_all_reduce}
+            "tensor_all_reduce": tensor_all_reduce, "context_all_gather": context_all_gather}
 
 
 # ---------------------------------------------------------------------------------------------
 # The plan
 # ---------------------------------------------------------------------------------------------
 
-def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
+def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int, seq: int) -> None:
     for axis, size in mesh.axis_sizes().items():
         if size == -1:
             raise PlanError(f"mesh.{axis}=-1 is invalid for a plan: there are no devices to fill it from; give "
@@ -335,6 +342,11 @@ def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int) -> None:
     if batch % shards:
         raise PlanError(f"batch={batch} is invalid: the microbatch is split over data * fsdp * expert = {shards} "
                         "devices, so it must be a multiple of that")
+    if mesh.context > 1:
+        try:
+            validate_context_split(mesh.context, seq, config.attention_backend, config.index_query_chunk)
+        except ConfigError as err:
+            raise PlanError(str(err).replace("train.seq_len", "seq")) from None
     if mesh.expert > 1 and config.moe_backend != "ep":
         raise PlanError(f"model.moe_backend={config.moe_backend!r} cannot be planned with mesh.expert="
                         f"{mesh.expert}: it runs each device's tokens through every expert, so the experts split "
@@ -351,13 +363,17 @@ def plan(config: ModelConfig, mesh: MeshConfig, settings: PlanSettings) -> dict[
     batch = settings.batch or mesh.data * mesh.fsdp * mesh.expert
     remat = settings.remat or config.remat_policy
     config = dataclasses.replace(config, remat_policy=remat)
-    _check_layout(config, mesh, batch)
+    _check_layout(config, mesh, batch, settings.seq)
     sizes = mesh.axis_sizes()
     params = abstract_params(config)
     local_batch = batch // (mesh.data * mesh.fsdp * mesh.expert)
     local_config = per_device_config(config, sizes, remat)
     param_bytes = sharded_param_bytes(params, sizes, config)
-    activations = activation_bytes(local_config, sizes, local_batch, settings.seq)
+    # Traced on whole sequences, then divided by the context split: every per-token activation is split over
+    # `context`; the gathered keys a DSA layer holds (C + R + J values per token of the whole sequence) are
+    # small beside them.
+    activations = {kind: size // mesh.context
+                   for kind, size in activation_bytes(local_config, sizes, local_batch, settings.seq).items()}
     activations["working_set"] += _fsdp_gather_bytes(params, sizes, config)
     memory = {
         "params": param_bytes,
@@ -415,7 +431,8 @@ def format_report(report: dict[str, Any], config_path: str) -> str:
             ("FSDP reduce-scatter (grads)", comm["fsdp_reduce_scatter"]),
             ("data all-reduce (grads)", comm["data_all_reduce"]),
             ("expert all-to-all", comm["expert_all_to_all"]),
-            ("tensor all-reduce", comm["tensor_all_reduce"])]),
+            ("tensor all-reduce", comm["tensor_all_reduce"]),
+            ("context all-gather (DSA keys)", comm["context_all_gather"])]),
         "",
     ]
     limit = report["device_memory_gib"]

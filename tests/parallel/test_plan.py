@@ -27,7 +27,8 @@ def test_unsharded_params_grads_and_adamw_state_match_parameter_counts():
     # schedule's) in each of the two AdamW groups (with and without weight decay).
     assert memory["optimizer_state"] == 2 * 4 * (counts["total"] - biases) + 4 * 4
     assert report["communication_bytes"] == {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0, "data_all_reduce": 0,
-                                             "expert_all_to_all": 0, "tensor_all_reduce": 0}
+                                             "expert_all_to_all": 0, "tensor_all_reduce": 0,
+                                             "context_all_gather": 0}
     muon = plan(TINY, MeshConfig(), PlanSettings(batch=2, seq=32, optimizer="muon"))["memory_bytes"]
     assert memory["optimizer_state"] > muon["optimizer_state"] > memory["optimizer_state"] // 2
 

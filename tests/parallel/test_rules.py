@@ -37,8 +37,8 @@ def test_mesh_config_validates_fields_and_device_count():
     with pytest.raises(MeshConfigError, match=r"has 8 devices but 1 are available"):
         make_mesh(MeshConfig(data=2, expert=4))
     mesh = make_mesh(MeshConfig())
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
 def test_activation_rules_give_batch_every_batch_axis_and_leave_embed_whole():
@@ -163,5 +163,5 @@ def test_a_mesh_whose_axes_no_physical_product_matches_splits_a_torus_axis():
 
     devices = get_topology("v5p-1024").devices()
     mesh = make_mesh(MeshConfig(data=2, expert=256), devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 256, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 256, "context": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

@@ -1,0 +1,74 @@
+"""`mesh.context` on one device: the axis in configs, overrides, meshes and the rule table; the refusals that
+name it (a sequence it cannot split in two chunks per chip, the Pallas kernels); the planner's split of
+activations and its key all-gathers. (Values on split sequences: test_context_parallel.py, 8 devices.)"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.config import ConfigError, load_model_config
+from glm5_jax.config.experiment import load_experiment
+from glm5_jax.config.mesh import MeshConfig, MeshConfigError, mesh_values
+from glm5_jax.distributed.context_local import context_local, require_whole_sequences
+from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.distributed.mesh import make_mesh
+from glm5_jax.parallel.plan import PlanError, PlanSettings, plan
+
+TINY = load_model_config("configs/tiny.yaml", ["moe_backend=ep"])
+
+
+def test_context_axis_is_parsed_built_and_splits_the_sequence_only():
+    assert mesh_values(["mesh.context=4"]) == {"context": 4}
+    cfg = load_experiment("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.context=4", "train.seq_len=64"])
+    assert cfg.mesh.context == 4 and cfg.mesh.num_devices == 8
+    assert MeshConfig(context=-1).resolve(8).context == 8
+    with pytest.raises(MeshConfigError, match=r"mesh.context=0 is invalid"):
+        MeshConfig(context=0)
+    with pytest.raises(MeshConfigError, match=r"mesh.data, mesh.fsdp, mesh.expert, mesh.context and mesh.tensor"):
+        MeshConfig(context=2).validate_devices(1)
+    assert make_mesh(MeshConfig()).axis_names == ("data", "fsdp", "expert", "context", "tensor")
+    sizes = {"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1}
+    assert logical_to_spec(("batch", "seq", "embed"), (2, 64, 32), sizes) == P("fsdp", "context", None)
+    # Weights are not split over `context` (no parameter dim is "seq").
+    assert logical_to_spec(("embed", "q_lora"), (64, 32), sizes) == P("fsdp", None)
+
+
+def test_context_split_refusals_name_the_field():
+    with pytest.raises(ConfigError, match=r"mesh.context=4 is invalid: must split train.seq_len=36 into 2 x 4"):
+        load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=4", "train.seq_len=36"])
+    with pytest.raises(ConfigError, match=r"mesh.context=2 is invalid: model.attention_backend=pallas does not run"):
+        load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=2", "train.seq_len=64",
+                                              "model.attention_backend=pallas"])
+    # 64 divides the sequence (384) but not a chip's 96 queries
+    with pytest.raises(ConfigError, match=r"model.index_query_chunk=64 is invalid: must divide each chip's 96 "):
+        load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=4", "train.seq_len=384",
+                                              "model.index_query_chunk=64"])
+    with pytest.raises(PlanError, match=r"mesh.context=4 is invalid: must split seq=36"):
+        plan(TINY, MeshConfig(context=4), PlanSettings(batch=1, seq=36))
+
+
+def test_one_device_is_the_context_one_case_with_offset_zero():
+    require_whole_sequences(None, "a kernel")  # no split: nothing to refuse
+    split = jax.sharding.AbstractMesh((2, 2), ("fsdp", "context"))
+    with pytest.raises(ValueError, match=r"mesh.context=2 is invalid for the sparse MLA kernel"):
+        require_whole_sequences(split, "the sparse MLA kernel")
+    q, k = jnp.arange(6.0).reshape(1, 3, 2), jnp.ones((1, 3, 2))
+    offsets = []
+    out = context_local(lambda offset, q, k: offsets.append(offset) or q + k, None, (q,), (k,))
+    assert offsets == [0] and isinstance(offsets[0], int)
+    assert (out == q + 1).all()
+
+
+def test_plan_splits_activations_and_counts_key_all_gathers():
+    whole = plan(TINY, MeshConfig(), PlanSettings(batch=1, seq=256, optimizer="adamw"))
+    split = plan(TINY, MeshConfig(context=4), PlanSettings(batch=1, seq=256, optimizer="adamw"))
+    for kind in ("activations_saved", "activations_working_set"):
+        assert split["memory_bytes"][kind] == pytest.approx(whole["memory_bytes"][kind] / 4, rel=0.02), kind
+    assert split["memory_bytes"]["params"] == whole["memory_bytes"]["params"]
+    comm = split["communication_bytes"]
+    key_width = TINY.kv_lora_rank + TINY.qk_rope_head_dim + TINY.index_head_dim
+    layers = TINY.num_hidden_layers + TINY.mtp_num_steps
+    # forward + backward (no remat in tiny.yaml): each chip sends its 64 tokens' keys to the 3 others
+    assert comm["context_all_gather"] == layers * 2 * 3 * 64 * key_width * 4
+    assert comm["data_all_reduce"] > 0 == whole["communication_bytes"]["data_all_reduce"]

@@ -1,0 +1,42 @@
+"""Context parallelism (`mesh.context`) on 8 fake CPU devices: every training objective's loss and gradients,
+and the indexer's top-k, on sequences split over `context` (alone, with `fsdp`, with `expert`) equal one
+device's. One subprocess runs tests/parallel/_context_checks.py (the device-count flag must be set before jax
+is imported; the rest of the suite keeps one device)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from xla_env import subprocess_env
+
+CHECKS = Path(__file__).with_name("_context_checks.py")
+# The checks that must report PASS (the child's MESHES and TOPK_MESHES: its module sets the device-count flag
+# on import, so it is not imported here).
+EXPECTED = [
+    "top-k selections on {'context': 8}",
+    *(f"{batch} on {sizes}" for sizes in ("{'context': 8}", "{'context': 2, 'fsdp': 2}",
+                                          "{'context': 2, 'expert': 2}") for batch in ("pretrain", "sft")),
+    "dsa_sparse on {'context': 4}",
+    "dsa_warmup on {'context': 2}",
+    "rl on {'context': 4}",
+]
+
+
+@pytest.mark.slow
+def test_context_parallel_equals_one_device():
+    result = subprocess.run([sys.executable, str(CHECKS)], capture_output=True, text=True, env=subprocess_env(),
+                            cwd=CHECKS.parents[2], timeout=600)
+    passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
+    assert result.returncode == 0, f"context checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    for name in EXPECTED:
+        assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n{result.stdout}"
+
+
+@pytest.mark.slow
+def test_context_split_shrinks_per_device_flops_and_memory():
+    """tiny.yaml's training step at 16K tokens compiled for context 4 and for one device (never run)."""
+    result = subprocess.run([sys.executable, str(CHECKS), "scaling"], capture_output=True, text=True,
+                            env=subprocess_env(), cwd=CHECKS.parents[2], timeout=600)
+    assert result.returncode == 0, f"scaling check failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert "PASS context=4 at 16384 tokens" in result.stdout, result.stdout

@@ -32,7 +32,7 @@ def test_command_errors_name_the_bad_argument(hf_checkpoint, tmp_path, capsys):
     assert main(["import-hf", str(path), str(tmp_path / "run"), "fsdp=2"]) == 2
     assert "argument 'fsdp=2' is invalid: expected mesh.<axis>=<size>" in capsys.readouterr().err
     assert main(["import-hf", str(path), str(tmp_path / "run"), "mesh.fsdp=2"]) == 2
-    assert "mesh data=1 x fsdp=2 x expert=1 x tensor=1 has 2 devices but 1 are available" in capsys.readouterr().err
+    assert "mesh data=1 x fsdp=2 x expert=1 x context=1 x tensor=1 has 2 devices but 1 are available" in capsys.readouterr().err
     assert main(["import-hf", str(tmp_path / "absent"), str(tmp_path / "run")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2

@@ -10,13 +10,9 @@ Usage: python tests/parallel/_context_checks.py [topk | pretrain | dsa_sparse | 
 (default: all but scaling). Every check prints "PASS <name>"; a failure exits non-zero.
 """
 
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
-os.environ["JAX_PLATFORMS"] = "cpu"
+import _eight_devices  # noqa: F401  (the device count, before jax is imported)
 
 import dataclasses  # noqa: E402
 from pathlib import Path  # noqa: E402

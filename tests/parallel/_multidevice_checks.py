@@ -5,14 +5,9 @@ Usage: python tests/parallel/_multidevice_checks.py GROUP...   (GROUP: ep | chec
 Every check prints "PASS <name>"; a failed assertion exits non-zero with the traceback.
 """
 
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    # Cheaper LLVM code generation: compile time dominates these small checks (buffer sizes are unchanged).
-    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
-os.environ["JAX_PLATFORMS"] = "cpu"
+import _eight_devices  # noqa: F401  (the device count, before jax is imported)
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402

@@ -65,8 +65,8 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
 
 
 # Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=120` of the suite at
-# the merge of issue 26's first part (2026-12-02, cold compile cache, 2 idle cores; only their order is used). A test not listed
-# counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
+# the merge of issue 26's first part (2026-12-02, cold compile cache, 2 idle cores; only their order is used).
+# A test not listed counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
 MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
 SLOW_SECONDS, FAST_SECONDS = 15, 1
 
@@ -105,7 +105,8 @@ def _version(package: str) -> tuple[int, ...]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse, in the controller where the message shows, the versions known to ignore the groups."""
-    if (config.getoption("dist", "no") == "loadgroup" and _version("pytest") >= BROKEN_GROUPING["pytest"]
+    if (config.getoption("numprocesses", None) and config.getoption("dist", "no") == "loadgroup"
+            and _version("pytest") >= BROKEN_GROUPING["pytest"]
             and _version("pytest-xdist") <= BROKEN_GROUPING["pytest-xdist"]):
         raise pytest.UsageError(
             f"pytest {pytest.__version__} with pytest-xdist {importlib.metadata.version('pytest-xdist')} ignores "

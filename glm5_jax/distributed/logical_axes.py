@@ -7,7 +7,7 @@ the dim stays divisible by the product of the axes taken (otherwise the axis is 
 dim is replicated). So an activation ("batch", "seq", "embed") gives `fsdp` to the batch and keeps `embed`
 whole, while a weight ("embed", "q_lora") is FSDP-sharded on its embed dim: parameters are FSDP-sharded on
 their first (by the table's order, the largest) dim that allows it, tensor-parallel on heads / MLP hidden /
-vocabulary, expert weights split over `expert` on E, and the stacked layer axis is never split.
+vocabulary, expert weights split over `expert` and `context` on E, and the stacked layer axis is never split.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     # Context parallelism: each chip holds a contiguous share of every sequence's tokens.
     "seq": (CONTEXT_AXIS,),
-    # Weights other than the routed experts are FSDP-sharded over every chip that does not split experts
-    # already: `fsdp`, then `expert` (wide expert parallelism keeps `fsdp` small or 1).
-    "embed": ("fsdp", "expert"),
-    "q_lora": ("fsdp", "expert"),
-    "kv_lora": ("fsdp", "expert"),
+    # Weights other than the routed experts are FSDP-sharded over every chip that holds other tokens: `fsdp`,
+    # then `expert` (wide expert parallelism keeps `fsdp` small or 1), then `context` (a split sequence).
+    "embed": ("fsdp", "expert", CONTEXT_AXIS),
+    "q_lora": ("fsdp", "expert", CONTEXT_AXIS),
+    "kv_lora": ("fsdp", "expert", CONTEXT_AXIS),
     # A routed expert's model dim: split over `fsdp` only. With `fsdp` 1 every chip holds its experts whole, so
     # no chip gathers an expert's weights per layer (tokens travel to the experts by all-to-all instead).
     "expert_embed": ("fsdp",),
@@ -37,7 +37,9 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "index_heads": ("tensor",),
     "index_head_dim": (),
     "mlp": ("tensor",),
-    "experts": ("expert",),
+    # Routed experts are spread over `expert`, then `context`: the chips of a split sequence hold different
+    # experts (their tokens travel to them like any other), so no expert is stored once per context chip.
+    "experts": ("expert", CONTEXT_AXIS),
     "expert_mlp": ("tensor",),
     "vocab": ("tensor",),
     # Every token needs the score of every expert, so the router's E axis stays whole.
@@ -78,6 +80,12 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
         used.update(taken)
         entries.append(None if not taken else taken[0] if len(taken) == 1 else tuple(taken))
     return PartitionSpec(*entries)
+
+
+def expert_split_axes(n_experts: int, mesh: Mesh | Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes the routed experts are spread over (expert parallelism exchanges tokens among them)."""
+    spec = logical_to_spec(("experts",), (n_experts,), mesh)[0]
+    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None = None) -> jax.Array:

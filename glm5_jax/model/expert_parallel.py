@@ -2,10 +2,10 @@
 run there as grouped matmuls, and travel back to be combined; expert weights never move.
 
 Inside `jax.shard_map` tokens are split over the token axes (`data`, `fsdp`, `expert`, then `context`: each
-chip's share of each sequence) and the routed experts
-over `expert` (E / ep experts per device; their model dim over `fsdp` when it is above 1, their hidden width F
-over `tensor`, the partial outputs then summed over `tensor`). The exchange runs among the `ep` devices of one
-`expert` group. Every device:
+chip's share of each sequence) and the routed experts over `expert` and `context` (E / ep experts per device,
+ep = expert x context when that divides E; their model dim over `fsdp` when it is above 1, their hidden width F
+over `tensor`, the partial outputs then summed over `tensor`). The exchange runs among the `ep` devices that
+share one copy of the experts. Every device:
 
 1. sorts its t * A assignments (t local tokens, A experts per token) by expert: chunk j of that buffer holds the
    rows for expert-rank j's experts, in expert order, then token order;
@@ -42,7 +42,7 @@ from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
-from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
 
 EP_TRANSPORTS = ("auto", "padded", "ragged")
 EXPERT_AXIS = "expert"
@@ -175,18 +175,20 @@ def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
     return output.at[target.reshape(-1)].set(received.reshape(-1, operand.shape[-1]), mode="drop")
 
 
-def _exchange(transport: str, layout: DispatchLayout):
-    """The collective that moves chunks over the expert axis (None: one device, nothing to move)."""
+def _exchange(transport: str, layout: DispatchLayout, axes: tuple[str, ...]):
+    """The collective that moves chunks over the expert axes (None: one device, nothing to move)."""
     if layout.expert_shards == 1:
         return None
     if transport == "ragged":
-        return functools.partial(jax.lax.ragged_all_to_all, axis_name=EXPERT_AXIS)
-    return functools.partial(padded_ragged_all_to_all, axis_name=EXPERT_AXIS, largest_chunk=layout.largest_chunk)
+        return functools.partial(jax.lax.ragged_all_to_all, axis_name=axes)
+    return functools.partial(padded_ragged_all_to_all, axis_name=axes, largest_chunk=layout.largest_chunk)
 
 
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                              layout: DispatchLayout, exchange, platform: str) -> tuple[jax.Array, jax.Array]:
-    """One device's share: (routed output [t, D], assignments dropped here). `exchange` None: one device."""
+                              layout: DispatchLayout, exchange, platform: str,
+                              axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """One device's share: (routed output [t, D], assignments dropped here). `exchange` None: one device;
+    else it moves chunks among the devices of `axes`, whose linear index is the expert rank."""
     t, top_k = expert_ids.shape
     ep, local = layout.expert_shards, layout.local_experts
     flat = expert_ids.reshape(-1)
@@ -203,13 +205,13 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         back = jnp.zeros_like(send).at[:layout.receive_rows].set(out[:layout.assignments])
         mine = accepted[0]
     else:
-        me = jax.lax.axis_index(EXPERT_AXIS)
-        everyone = jax.lax.all_gather(sent, EXPERT_AXIS)  # [source, receiver]
+        me = jax.lax.axis_index(axes)
+        everyone = jax.lax.all_gather(sent, axes)  # [source, receiver]
         accepted, offsets = receive_plan(everyone, layout.receive_rows)
         mine = accepted[me]
         recv = exchange(send, jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype), starts, mine, offsets[me],
                         accepted[:, me])
-        recv_counts = jax.lax.all_to_all(counts, EXPERT_AXIS, 0, 0, tiled=True)  # [source, E_local]
+        recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)  # [source, E_local]
         out = _run_local_experts(experts, recv, _row_experts(recv_counts, accepted[:, me], layout), layout,
                                  platform)
         source_starts = (jnp.cumsum(everyone, axis=1) - everyone)[:, me]  # my chunk's start at each source
@@ -261,10 +263,11 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     token_spec = token_split_spec(mesh, tuple(x.shape[:-1])) or PartitionSpec()
     token_axes = spec_axes(token_spec)
     shards = math.prod(mesh_axis_size(mesh, axis) for axis in token_axes)
-    expert_shards = mesh_axis_size(mesh, EXPERT_AXIS)
-    _validate(experts, x, expert_ids, weights, shards, expert_shards)
+    _validate(experts, x, expert_ids, weights, shards, mesh_axis_size(mesh, EXPERT_AXIS))
+    expert_axes = expert_split_axes(n_experts, mesh)
+    expert_shards = math.prod(mesh_axis_size(mesh, axis) for axis in expert_axes)
     layout = dispatch_layout(math.prod(x.shape[:-1]) // shards, top_k, n_experts, expert_shards, capacity_factor)
-    exchange = _exchange(_resolve_transport(transport, mesh), layout)
+    exchange = _exchange(_resolve_transport(transport, mesh), layout, expert_axes)
     platform = mesh.devices.flat[0].platform
     # F split over `tensor` when it divides; the partial outputs are then summed over `tensor`.
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), experts["gate_proj"].shape, mesh)
@@ -277,7 +280,8 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
         if exchange is None:
             routed, dropped = dispatch_without_exchange(experts_local, *flat, layout, platform)
         else:
-            routed, dropped = _dispatch_compute_combine(experts_local, *flat, layout, exchange, platform)
+            routed, dropped = _dispatch_compute_combine(experts_local, *flat, layout, exchange, platform,
+                                                        expert_axes)
         if tensor_split:
             routed = jax.lax.psum(routed, TENSOR_AXIS)
         return routed.reshape(x_local.shape), jax.lax.psum(dropped, token_axes) if token_axes else dropped

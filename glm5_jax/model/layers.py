@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm5_jax.distributed.logical_axes import constrain
 from glm5_jax.model.variables import normal, param
 
 
@@ -104,8 +105,13 @@ class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs, std: float, dtype):
         self.embedding = param(normal(rngs, (vocab, dim), std, dtype), ("vocab", "embed"))
 
-    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
-        return self.embedding[...][tokens].astype(dtype)
+    def __call__(self, tokens: jax.Array, dtype, mesh=None) -> jax.Array:
+        """The rows of `tokens` [B, S] as [B, S, D] activations (split over the batch axes and `context`)."""
+        x = self.embedding[...][tokens].astype(dtype)
+        # The table is FSDP-sharded on D, so its rows come out split on D. When that split spans two mesh axes
+        # (`expert` and `context`), GSPMD cannot move it onto B and S in one step and replicates the whole
+        # activation instead: move it to B first, then to S.
+        return constrain(constrain(x, ("batch", None, "embed"), mesh), ("batch", "seq", "embed"), mesh)
 
 
 class SwiGLU(nnx.Module):

@@ -59,7 +59,7 @@ class MTP(nnx.Module):
         indexer; no earlier top-k to share). Returns (the raw layer output [B, S, D] that feeds the next depth,
         its shared_head_norm that the LM head reads, the layer's output). `cache` when generating."""
         eps = self.config.rms_norm_eps
-        emb = embed(next_tokens, h_prev.dtype)
+        emb = embed(next_tokens, h_prev.dtype, mesh)
         merged = jnp.concatenate([self.enorm.rms_norm(emb, eps), self.hnorm.rms_norm(h_prev, eps)], axis=-1)
         out = self.layer(self.eh_proj(merged), ctx, indexer_mode=indexer_mode, mesh=mesh, cache=cache)
         return out.hidden, self.shared_head_norm.rms_norm(out.hidden, eps), out

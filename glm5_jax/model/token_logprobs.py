@@ -21,7 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.distributed.logical_axes import constrain
 from pallas_kernels import NEG_INF
+
+
+LOGIT_AXES = ("batch", "seq", "vocab")
 
 
 def _concrete(x):
@@ -37,31 +41,34 @@ def _chunk_layout(vocab_size: int, vocab_chunk: int) -> tuple[int, int]:
     return chunk, -(-vocab_size // chunk)
 
 
-def _chunk_logits(hidden, kernel, inv_temperature, index, chunk):
+def _chunk_logits(hidden, kernel, inv_temperature, index, chunk, mesh):
     """Logits of chunk `index` in fp32 and a mask of its columns not visited by an earlier chunk."""
     vocab_size = kernel.shape[1]
     start = jnp.minimum(index * chunk, vocab_size - chunk)
     kernel_chunk = jax.lax.dynamic_slice_in_dim(kernel, start, chunk, axis=1)
     logits = jnp.einsum("BSD,DV->BSV", hidden, kernel_chunk, preferred_element_type=jnp.float32)
+    # Logits stay where their tokens are (the kernel chunk is gathered to them): left to itself, GSPMD may
+    # gather the tokens of a split sequence to the kernel's shards instead, every chip computing them all.
+    logits = constrain(logits, LOGIT_AXES, mesh)
     logits = logits * inv_temperature[:, None, None]
     columns = start + jnp.arange(chunk)
     fresh = columns >= index * chunk
     return jnp.where(fresh, logits, NEG_INF), columns, fresh, kernel_chunk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _vocab_stats(hidden, kernel, targets, inv_temperature, vocab_chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _vocab_stats(hidden, kernel, targets, inv_temperature, vocab_chunk, mesh):
     """(target logit, logsumexp, entropy), each [B, S] fp32, of the tempered logits."""
-    return _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk)[0]
+    return _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk, mesh)[0]
 
 
-def _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk):
+def _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk, mesh):
     chunk, num_chunks = _chunk_layout(kernel.shape[1], vocab_chunk)
     zeros = jnp.zeros(targets.shape, jnp.float32)
 
     def visit(carry, index):
         running_max, sum_exp, sum_exp_logit, target_logit = carry
-        logits, columns, fresh, _ = _chunk_logits(hidden, kernel, inv_temperature, index, chunk)
+        logits, columns, fresh, _ = _chunk_logits(hidden, kernel, inv_temperature, index, chunk, mesh)
         new_max = jnp.maximum(running_max, logits.max(-1))
         rescale = jnp.exp(running_max - new_max)
         weights = jnp.exp(logits - new_max[..., None])
@@ -79,14 +86,14 @@ def _vocab_stats_fwd(hidden, kernel, targets, inv_temperature, vocab_chunk):
     return (target_logit, logsumexp, entropy), residuals
 
 
-def _vocab_stats_bwd(vocab_chunk, residuals, cotangents):
+def _vocab_stats_bwd(vocab_chunk, mesh, residuals, cotangents):
     hidden, kernel, targets, inv_temperature, logsumexp, entropy = residuals
     d_target, d_logsumexp, d_entropy = cotangents
     chunk, num_chunks = _chunk_layout(kernel.shape[1], vocab_chunk)
     mean_logit = logsumexp - entropy
 
     def visit(d_hidden, index):
-        logits, columns, fresh, kernel_chunk = _chunk_logits(hidden, kernel, inv_temperature, index, chunk)
+        logits, columns, fresh, kernel_chunk = _chunk_logits(hidden, kernel, inv_temperature, index, chunk, mesh)
         probs = jnp.exp(logits - logsumexp[..., None])
         is_target = (columns == targets[..., None]) & fresh
         # d lse/dz = p;  d H/dz = -p (z - E_p[z]);  d z_target/dz = onehot.
@@ -95,7 +102,8 @@ def _vocab_stats_bwd(vocab_chunk, residuals, cotangents):
                     + jnp.where(is_target, d_target[..., None], 0.0))
         d_logits = jnp.where(fresh, d_logits, 0.0) * inv_temperature[:, None, None]
         d_hidden = d_hidden + jnp.einsum("BSV,DV->BSD", d_logits, kernel_chunk.astype(jnp.float32))
-        d_kernel_chunk = jnp.einsum("BSD,BSV->DV", hidden.astype(jnp.float32), d_logits)
+        d_kernel_chunk = constrain(jnp.einsum("BSD,BSV->DV", hidden.astype(jnp.float32), d_logits),
+                                   ("embed", "vocab"), mesh)
         return d_hidden, d_kernel_chunk
 
     d_hidden, d_kernel_chunks = jax.lax.scan(visit, jnp.zeros(hidden.shape, jnp.float32), jnp.arange(num_chunks))
@@ -136,14 +144,15 @@ def _validate(hidden, kernel, targets, temperature, vocab_chunk):
 
 
 def token_logprobs(hidden, lm_head_kernel, targets, *, temperature=1.0, vocab_chunk: int = 8192,
-                   compute_entropy: bool = False):
+                   compute_entropy: bool = False, mesh=None):
     """log softmax((hidden @ lm_head_kernel) / temperature) at `targets`, in fp32, over vocabulary chunks.
 
     hidden [B, S, D] (any float dtype), lm_head_kernel [D, V], targets [B, S] int, temperature a scalar or
     [B] (one sampling temperature per sample). Returns (logp [B, S] fp32, entropy [B, S] fp32 or None);
-    both are differentiable w.r.t. hidden and the kernel.
+    both are differentiable w.r.t. hidden and the kernel. `mesh` (or the one set by `jax.set_mesh`): where the
+    tokens are split; each device then computes its own tokens' logits.
     """
     inv_temperature = _validate(hidden, lm_head_kernel, targets, temperature, vocab_chunk)
     target_logit, logsumexp, entropy = _vocab_stats(hidden, lm_head_kernel, targets, inv_temperature,
-                                                    vocab_chunk)
+                                                    vocab_chunk, mesh)
     return target_logit - logsumexp, (entropy if compute_entropy else None)

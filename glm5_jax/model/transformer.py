@@ -107,7 +107,7 @@ class GLM5(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         ctx = layer_context(positions, segment_ids, config)
 
-        x = constrain(self.embed(tokens, dtype_of(config.compute_dtype)), ACTIVATION_AXES, mesh)
+        x = self.embed(tokens, dtype_of(config.compute_dtype), mesh)
         keys = s if cache is None else cache.latent.shape[2]
         topk = jnp.zeros((b, s, min(config.index_topk, keys)), jnp.int32)
         nd = config.num_dense_layers

@@ -39,7 +39,7 @@ from glm5_jax.config.mesh import BATCH_AXES, CONTEXT_AXIS, MeshConfig
 from glm5_jax.config.optim import OptimConfig
 from glm5_jax.model.expert_parallel import (EXPERT_AXIS, capacity_settings, dispatch_layout,
                                                dispatch_without_exchange)
-from glm5_jax.distributed.logical_axes import logical_to_spec
+from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
 from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.layers import rope_angles
@@ -227,7 +227,7 @@ def activation_bytes(config: ModelConfig, sizes: dict[str, int], batch: int, seq
         # The traces ran the single-device dispatch; add what the expert-parallel buffers hold beyond it.
         factor, _ = capacity_settings(config)
         tokens_local, top_k, n_experts = batch * seq, config.num_experts_per_tok, config.n_routed_experts
-        sharded = dispatch_layout(tokens_local, top_k, n_experts, sizes[EXPERT_AXIS], factor)
+        sharded = dispatch_layout(tokens_local, top_k, n_experts, _expert_shards(config, sizes), factor)
         single = dispatch_layout(tokens_local, top_k, n_experts, 1, factor)
         extra = {p: _dispatch_residual_bytes(config, tokens_local, sharded, p)
                  - _dispatch_residual_bytes(config, tokens_local, single, p) for p in {"none", policy}}
@@ -239,10 +239,16 @@ def activation_bytes(config: ModelConfig, sizes: dict[str, int], batch: int, seq
     return {"saved": saved, "working_set": int(layers * max(layer_none.values())) + logits_cotangent}
 
 
+def _expert_shards(config: ModelConfig, sizes: dict[str, int]) -> int:
+    """How many devices share one copy of the routed experts (the expert-parallel exchange group)."""
+    return math.prod(sizes[axis] for axis in expert_split_axes(config.n_routed_experts, sizes))
+
+
 def _gather_sizes(names: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
-    """The mesh axes a weight is all-gathered over before use (FSDP): `fsdp` and `expert`, except that a routed
-    expert's split over `expert` is expert parallelism (its tokens travel to it; it is never gathered)."""
-    axes = ("fsdp",) if "experts" in names else ("fsdp", EXPERT_AXIS)
+    """The mesh axes a weight is all-gathered over before use (FSDP): `fsdp`, `expert` and `context`, except that
+    a routed expert's split over `expert` and `context` is expert parallelism (its tokens travel to it; it is
+    never gathered)."""
+    axes = ("fsdp",) if "experts" in names else ("fsdp", EXPERT_AXIS, CONTEXT_AXIS)
     return {axis: sizes[axis] for axis in axes}
 
 
@@ -299,7 +305,7 @@ def communication_bytes(config: ModelConfig, local_config: ModelConfig, params, 
     act = jnp.dtype(config.compute_dtype).itemsize
 
     expert_all_to_all = 0
-    ep = sizes[EXPERT_AXIS]
+    ep = _expert_shards(config, sizes)
     if ep > 1 and config.num_moe_layers:
         factor, _ = capacity_settings(config)
         layout = dispatch_layout(tokens, config.num_experts_per_tok, config.n_routed_experts, ep, factor)

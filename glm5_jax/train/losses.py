@@ -26,25 +26,27 @@ def next_token_targets(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax
 
 
 def cross_entropy(hidden: jax.Array, lm_head_kernel: jax.Array, tokens: jax.Array, segment_ids: jax.Array,
-                  loss_mask: jax.Array, vocab_chunk: int = 8192) -> LossTerms:
+                  loss_mask: jax.Array, vocab_chunk: int = 8192, mesh=None) -> LossTerms:
     """Next-token cross-entropy in fp32 over vocabulary chunks (full logits never materialised)."""
     targets, weight = next_token_targets(tokens, segment_ids, loss_mask)
-    logp, _ = token_logprobs(hidden, lm_head_kernel, targets, vocab_chunk=vocab_chunk)
+    logp, _ = token_logprobs(hidden, lm_head_kernel, targets, vocab_chunk=vocab_chunk, mesh=mesh)
     return -(logp * weight).sum(), weight.sum()
 
 
 def mtp_cross_entropy(mtp_hidden: jax.Array, lm_head_kernel: jax.Array, tokens: jax.Array,
-                      segment_ids: jax.Array, loss_mask: jax.Array, vocab_chunk: int = 8192) -> LossTerms:
+                      segment_ids: jax.Array, loss_mask: jax.Array, vocab_chunk: int = 8192,
+                      mesh=None) -> LossTerms:
     """MTP loss over D shared steps: depth k (1-based) predicts t_{i+k+1}. Summed over depths; the
     denominator counts every depth's targets, so the mean equals (1/D) sum_k CE_k when depths have equal
     target counts. The weight lambda is applied by the caller."""
     depth = mtp_hidden.shape[0]
     targets, weight = jax.vmap(lambda k: next_token_targets(tokens, segment_ids, loss_mask, shift=k))(
         jnp.arange(2, depth + 2))
-    # Depths join the sequence, not the batch: [D, B, S] -> [B, D*S] keeps the (sharded) batch dim leading, so
-    # every device computes the loss of its own rows only ([D*B] would mix batch shards and be all-reduced).
-    flat = lambda a: rearrange(a, "d b s ... -> b (d s) ...")  # noqa: E731
-    logp, _ = token_logprobs(flat(mtp_hidden), lm_head_kernel, flat(targets), vocab_chunk=vocab_chunk)
+    # Depths join the batch as its minor part: [D, B, S] -> [B*D, S] keeps the batch split (each device's rows
+    # stay contiguous blocks) and the sequence split over `context`, so every device computes the loss of its
+    # own tokens only ([D*B] would mix batch shards; [B, D*S] would interleave the sequence's shares).
+    flat = lambda a: rearrange(a, "d b s ... -> (b d) s ...")  # noqa: E731
+    logp, _ = token_logprobs(flat(mtp_hidden), lm_head_kernel, flat(targets), vocab_chunk=vocab_chunk, mesh=mesh)
     weight = flat(weight)
     return -(logp * weight).sum(), weight.sum()
 

@@ -82,10 +82,10 @@ class LMObjective:
         detach = (lambda x: x) if self.trains_model else jax.lax.stop_gradient
         kernel, chunk = params["lm_head"]["kernel"], self.train_config.vocab_chunk
         targets = (mb["tokens"], mb["segment_ids"], mb["loss_mask"])
-        sums = {"lm": losses.cross_entropy(detach(out.hidden), kernel, *targets, chunk)[0]}
+        sums = {"lm": losses.cross_entropy(detach(out.hidden), kernel, *targets, chunk, self.mesh)[0]}
         moe_aux = {k: v for k, v in out.aux.items() if k != "mtp"}
         if out.mtp_hidden is not None:
-            sums["mtp"] = losses.mtp_cross_entropy(detach(out.mtp_hidden), kernel, *targets, chunk)[0]
+            sums["mtp"] = losses.mtp_cross_entropy(detach(out.mtp_hidden), kernel, *targets, chunk, self.mesh)[0]
         if "balance_terms" in moe_aux:
             sums["balance"] = losses.balance_loss(moe_aux)[0]
         if self.indexer_mode is not None:

@@ -93,7 +93,7 @@ class RLObjective:
                       **_routing_inputs(mb, self.config.replay_routing))
         logp, entropy = token_logprobs(out.hidden, params["lm_head"]["kernel"], mb["targets"],
                                        temperature=mb["temperature"], vocab_chunk=self.train_config.vocab_chunk,
-                                       compute_entropy=True)
+                                       compute_entropy=True, mesh=self.mesh)
         weighted_sum, _, metrics = self.loss_fn(logp, mb, self.config.objective, entropy)
         value = weighted_sum / dens["loss_tokens"]
         share = metrics["loss_tokens"] / dens["loss_tokens"]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_jax.config import load_model_config
 from glm5_jax.distributed.mesh import MeshConfig, MeshConfigError, make_mesh
-from glm5_jax.distributed.logical_axes import ShardingRuleError, constrain, logical_to_spec
+from glm5_jax.distributed.logical_axes import ShardingRuleError, constrain, expert_split_axes, logical_to_spec
 from glm5_jax.model.metadata import ParamMetadataError, param_info
 from glm5_jax.parallel.sharding import abstract_params, param_specs, state_leaf_spec
 from glm5_jax.tree_paths import path_names
@@ -101,6 +101,23 @@ def test_wide_expert_parallelism_keeps_experts_whole_and_shards_the_rest_over_ev
                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
         if math.prod(leaf.shape) > 2**20:
             assert "expert" in jax.tree.leaves(tuple(spec)), (path_names(path), spec)
+
+
+def test_a_split_sequence_spreads_the_experts_and_the_other_weights_over_its_chips(glm5_params):
+    """With `context` splitting each sequence, its chips hold different experts (expert parallelism over `expert`
+    x `context`, so the exchange spans both) and every other large weight is FSDP-sharded over them too: nothing
+    is stored once per context chip."""
+    split = {"data": 1, "fsdp": 1, "expert": 8, "context": 32, "tensor": 1}
+    specs = param_specs(glm5_params, split, config=GLM5_744B)
+    assert specs["moe_layers"]["moe"]["experts"]["gate_proj"] == P(None, ("expert", "context"), None, None)
+    assert expert_split_axes(GLM5_744B.n_routed_experts, split) == ("expert", "context")
+    assert specs["embed"]["embedding"] == P(None, ("expert", "context"))
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(glm5_params)[0],
+                                  jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        if math.prod(leaf.shape) > 2**20:
+            assert {"expert", "context"} <= set(jax.tree.leaves(tuple(spec))), (path_names(path), spec)
+    # 256 experts do not split 512 ways: they stay on `expert` and are stored once per context chip.
+    assert expert_split_axes(GLM5_744B.n_routed_experts, {**split, "context": 64}) == ("expert",)
 
 
 def test_unknown_parameter_path_shape_mismatch_and_a_config_of_another_type_are_errors():

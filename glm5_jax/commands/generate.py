@@ -21,6 +21,7 @@ import numpy as np
 
 from glm5_jax.commands.prompts import Prompt, check_context
 from glm5_jax.commands.source import CommandError, ModelSource, decode_text
+from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.generation import GenerationOutput, SamplingParams, generate, speculative_generate
 
 
@@ -41,6 +42,10 @@ class GenerateOptions:
         if self.speculative and not source.config.num_nextn_predict_layers:
             raise CommandError(f"--speculative={self.speculative} is invalid: {source.path} has no MTP module "
                                "(num_nextn_predict_layers=0) to draft with")
+        split = context_split(source.mesh)
+        if self.speculative and split > 1:
+            raise CommandError(f"--speculative={self.speculative} is invalid with mesh.context={split}: MTP drafting "
+                               "does not run over a cache split by context yet; use --speculative 0 or mesh.context=1")
         return self
 
 
@@ -74,12 +79,14 @@ def run_batch(source: ModelSource, prompts: list[Prompt], options: GenerateOptio
         # A cache of at least index_topk rows records index_topk indexer slots per position in every batch,
         # so records of different batches train together (replay needs train.seq_len >= index_topk too).
         max_len = min(max(max_len, source.config.index_topk), source.config.max_position_embeddings)
+    split = context_split(source.mesh)
+    max_len += -max_len % split  # the cache's slots split evenly over `context`
     kwargs = dict(config=source.config, sampling=options.sampling, rng=rng, max_len=max_len,
                   collect_routing=options.collect_routing, on_tokens=on_tokens)
     # The parameters carry their mesh shardings; jit partitions the loop's steps from them.
     if options.speculative:
         return speculative_generate(source.params, ids, num_draft=options.speculative, **kwargs)
-    return generate(source.params, ids, **kwargs)
+    return generate(source.params, ids, mesh=source.mesh, **kwargs)
 
 
 def prompt_record(source: ModelSource, prompt: Prompt, output: GenerationOutput, row: int) -> dict:

@@ -17,6 +17,7 @@ import sys
 import _eight_devices  # noqa: F401  (the device count, before jax is imported)
 
 import dataclasses  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -76,9 +77,23 @@ def check_cache_split(params, config, prompts, mesh, sizes) -> None:
             shard_slots = {shard.data.shape[2] for shard in array.addressable_shards}
             assert shard_slots == {MAX_LEN // split}, f"{name} after {when} on {sizes}: shards hold {shard_slots}"
         if when == "prefill":
+            if split == max(m["context"] for m in MESHES):  # one extra compile: the decode step's program
+                check_decode_collectives(decode_step.lower(params, state, values, config=config, nucleus=nucleus,
+                                                           mesh=mesh).compile().as_text(), sizes)
             state = decode_step(params, state, values, config=config, nucleus=nucleus, mesh=mesh)
     print(f"PASS cache split on {sizes}: latent and indexer keys hold {MAX_LEN // split} of {MAX_LEN} slots per "
           "device after prefill and decode")
+
+
+def check_decode_collectives(hlo: str, sizes) -> None:
+    """A decode step gathers only per-new-token arrays [B, 1, ...] (the chips' top-k candidates): no chip
+    gathers cache slots. Its merges (attention by log-sum-exp) are all-reduces."""
+    gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+    assert gathered, f"decode on {sizes}: no all-gather at all, so the top-k candidates were not merged"
+    shapes = [tuple(int(d) for d in dims.split(",")) for dims in gathered]
+    assert all(len(shape) >= 2 and shape[1] == 1 for shape in shapes), f"decode on {sizes} gathers {shapes}"
+    assert re.search(r"all-reduce\(", hlo), f"decode on {sizes}: no all-reduce merges the attention"
+    print(f"PASS decode collectives on {sizes}: all-gathers only of per-token candidates {sorted(set(shapes))}")
 
 
 def main() -> None:

@@ -35,14 +35,15 @@ def lay_out_cache(cache: jax.Array, mesh) -> jax.Array:
     """A new [L, B, T, X] cache pinned to its split (inside jit: where XLA allocates it)."""
     if context_split(mesh) == 1:
         return cache
-    return jax.lax.with_sharding_constraint(cache, NamedSharding(active_mesh(mesh), cache_spec(mesh, cache.shape[1], 1)))
+    split = NamedSharding(active_mesh(mesh), cache_spec(mesh, cache.shape[1], leading=1))
+    return jax.lax.with_sharding_constraint(cache, split)
 
 
 def write_cache_shares(write, mesh, cache: jax.Array, layer, rows: jax.Array, positions: jax.Array) -> jax.Array:
     """`write(first_slot, share, layer, rows, positions)` on each chip's share [L, B, T / context, X] of `cache`,
     with the new rows [B, S, X] and their positions [B, S] whole on every chip; returns the cache, split again."""
     batch = batch_split_axes(mesh, cache.shape[1]) or None
-    share_spec = cache_spec(mesh, cache.shape[1], 1)
+    share_spec = cache_spec(mesh, cache.shape[1], leading=1)
 
     def per_chip(share, layer, rows, positions):
         return write(jax.lax.axis_index(CONTEXT_AXIS) * share.shape[2], share, layer, rows, positions)

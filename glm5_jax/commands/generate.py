@@ -42,10 +42,6 @@ class GenerateOptions:
         if self.speculative and not source.config.num_nextn_predict_layers:
             raise CommandError(f"--speculative={self.speculative} is invalid: {source.path} has no MTP module "
                                "(num_nextn_predict_layers=0) to draft with")
-        split = context_split(source.mesh)
-        if self.speculative and split > 1:
-            raise CommandError(f"--speculative={self.speculative} is invalid with mesh.context={split}: MTP drafting "
-                               "does not run over a cache split by context yet; use --speculative 0 or mesh.context=1")
         return self
 
 
@@ -85,7 +81,7 @@ def run_batch(source: ModelSource, prompts: list[Prompt], options: GenerateOptio
                   collect_routing=options.collect_routing, on_tokens=on_tokens)
     # The parameters carry their mesh shardings; jit partitions the loop's steps from them.
     if options.speculative:
-        return speculative_generate(source.params, ids, num_draft=options.speculative, **kwargs)
+        return speculative_generate(source.params, ids, num_draft=options.speculative, mesh=source.mesh, **kwargs)
     return generate(source.params, ids, mesh=source.mesh, **kwargs)
 
 

@@ -37,9 +37,9 @@ def model_cache(config: ModelConfig, batch: int, max_len: int, dtype, mesh=None)
     return init_cache(config.num_hidden_layers, num_full, batch, max_len, config, dtype, mesh)
 
 
-def mtp_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    """Cache of the MTP module's one layer (it has its own indexer)."""
-    return init_cache(1, 1, batch, max_len, config, dtype)
+def mtp_cache(config: ModelConfig, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
+    """Cache of the MTP module's one layer (it has its own indexer); split like the main model's."""
+    return init_cache(1, 1, batch, max_len, config, dtype, mesh)
 
 
 def num_selected(config: ModelConfig, max_len: int) -> int:
@@ -66,10 +66,11 @@ def run_cached(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, 
 
 
 def run_mtp_cached(params, cache: KVCache, tokens: jax.Array, h_prev: jax.Array, positions: jax.Array,
-                   token_mask: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, KVCache]:
+                   token_mask: jax.Array, config: ModelConfig, mesh=None) -> tuple[jax.Array, jax.Array, KVCache]:
     """The MTP module once over new entries (`MTP.step` with its one-layer cache). Returns (raw layer output
     [B, S, D] to feed the next depth, its shared_head_norm [B, S, D] that the LM head reads, cache)."""
     model = merge(params, config)
     ctx = layer_context(positions, token_mask.astype(jnp.int32), config)
-    h, normed, out = model.mtp.step(model.embed, tokens, h_prev, ctx, cache=LayerCache(cache, 0, 0, positions))
+    h, normed, out = model.mtp.step(model.embed, tokens, h_prev, ctx, mesh=mesh,
+                                    cache=LayerCache(cache, 0, 0, positions))
     return h, normed, out.cache.kv

@@ -1,21 +1,11 @@
 """Bad input to `glm5 generate / eval / rollout` is refused by name (exit code 2) before anything compiles,
 and nothing is written."""
 
-import dataclasses
 import json
-from pathlib import Path
-from types import SimpleNamespace
 
-import jax
 import pytest
-from xla_env import REPO
 
 from glm5_jax.cli import main
-from glm5_jax.commands.generate import GenerateOptions
-from glm5_jax.commands.source import CommandError
-from glm5_jax.config import load_model_config
-from glm5_jax.config.mesh import AXIS_NAMES
-from glm5_jax.generation import SamplingParams
 
 REWARD = "glm5_jax.examples.rewards:python_line"
 
@@ -74,16 +64,3 @@ def test_bad_prompts_long_prompts_and_an_existing_out_are_refused(trained_run, t
     assert out.read_text() == ""
     assert main(["generate", str(run_dir), "--prompt", "x", "--speculative", "-1"]) == 2
     assert "--speculative=-1 is invalid" in _error(capsys)
-
-
-def test_speculative_decoding_over_a_context_split_is_refused():
-    """Plain decoding runs over a cache split by `context`; MTP drafting does not yet, and says so."""
-    config = load_model_config(REPO / "configs" / "tiny.yaml")
-    assert config.num_nextn_predict_layers
-    source = SimpleNamespace(config=config, path=Path("run"),
-                             mesh=jax.sharding.AbstractMesh((1, 1, 1, 2, 1), AXIS_NAMES))
-    options = GenerateOptions(sampling=SamplingParams(max_new_tokens=4), speculative=2)
-    with pytest.raises(CommandError, match=r"--speculative=2 is invalid with mesh.context=2: MTP drafting does not "
-                                           r"run over a cache split by context yet"):
-        options.validate(source)
-    assert dataclasses.replace(options, speculative=0).validate(source).speculative == 0

@@ -5,8 +5,9 @@ imported; the rest of the suite keeps one device).
 Greedy generation on each mesh must give one device's tokens, logits (1e-5), recorded logprobs and indexer
 selections, for right-padded prompts of different lengths longer than the indexer's top-k (so DSA's selection
 is sparse and the decode's candidates merge from several chips), and the cache must be split over `context`
-on its slot dim, before and after decoding. The model has every kind of layer tiny.yaml has (dense, MoE) and
-an IndexShare layer that reuses the previous top-k.
+on its slot dim, before and after decoding, with a decode step that gathers no cache slot. MTP speculative
+decoding must give one device's tokens and logits too. The model has every kind of layer tiny.yaml has (dense,
+MoE) and an IndexShare layer that reuses the previous top-k.
 
 Usage: python tests/parallel/_context_decode_checks.py. Every check prints "PASS <name>"; a failure exits
 non-zero.
@@ -30,16 +31,20 @@ sys.path.insert(0, str(REPO))
 from glm5_jax.config import load_model_config  # noqa: E402
 from glm5_jax.config.mesh import CONTEXT_AXIS, MeshConfig  # noqa: E402
 from glm5_jax.distributed.mesh import make_mesh  # noqa: E402
-from glm5_jax.generation import SamplingParams, generate  # noqa: E402
+from glm5_jax.generation import SamplingParams, generate, speculative_generate  # noqa: E402
 from glm5_jax.generation.decode import decode_step, prefill  # noqa: E402
 from glm5_jax.generation.sampling import split_sampling  # noqa: E402
 from glm5_jax.model.transformer import init  # noqa: E402
 from glm5_jax.parallel.sharding import shard_params  # noqa: E402
 
 MESHES = [dict(context=2), dict(context=8), dict(fsdp=2, context=4)]
+# MTP speculative decoding with one draft: its 2-token verify and MTP extensions are whole on every chip at
+# context 4 (per-share merges, as in decode); the MTP prefill is split like the prompt. One mesh: the budget.
+SPECULATIVE_MESHES = [dict(fsdp=2, context=4)]
+NUM_DRAFT = 1
 PROMPT_LENGTHS = (29, 21)   # > index_topk (8); 29 is no multiple of any split: the generator pads the prompt
 MAX_NEW = 5
-MAX_LEN = 40                # a multiple of every split; 5 slots per chip at context 8
+MAX_LEN = 40                # a multiple of every split; 5 slots per chip at context 8 (room for the draft)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
 
 
@@ -57,6 +62,19 @@ def mesh_of(sizes: dict):
 def run(params, config, prompts, mesh):
     return generate(params, prompts, config=config, sampling=GREEDY, max_len=MAX_LEN, collect_routing=True,
                     return_logits=True, mesh=mesh)
+
+
+def run_speculative(params, config, prompts, mesh):
+    return speculative_generate(params, prompts, config=config, sampling=GREEDY, num_draft=NUM_DRAFT,
+                                max_len=MAX_LEN, return_logits=True, mesh=mesh)
+
+
+def check_same_generation(got, want, label) -> None:
+    np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"{label} tokens")
+    np.testing.assert_array_equal(got.lengths, want.lengths, err_msg=f"{label} lengths")
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5 * np.abs(want.logits).max(),
+                               err_msg=f"{label} logits")
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5, err_msg=f"{label} logprobs")
 
 
 def check_cache_split(params, config, prompts, mesh, sizes) -> None:
@@ -109,16 +127,16 @@ def main() -> None:
     decoded = np.stack([want.indexer_topk[row, :, n:n + MAX_NEW - 1] for row, n in enumerate(PROMPT_LENGTHS)])
     assert (decoded >= 0).all() and (decoded >= MAX_LEN // 2).any() and (decoded < MAX_LEN // 8).any(), \
         "the decoded tokens' top-k does not exercise the split"
+    want_speculative = run_speculative(params, config, prompts, None)
+    # Greedy drafting changes no token. Random weights' drafts are rejected: every verify writes a draft row that
+    # the next step overwrites (the rollback), on whichever chip owns its slot.
+    np.testing.assert_array_equal(want_speculative.tokens, want.tokens)
     for sizes in MESHES:
         mesh = mesh_of(sizes)
         mesh_params = shard_params(params, mesh, config=config)
         got = run(mesh_params, config, prompts, mesh)
         label = f"greedy generation on {sizes}"
-        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=f"{label} tokens")
-        np.testing.assert_array_equal(got.lengths, want.lengths, err_msg=f"{label} lengths")
-        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5 * np.abs(want.logits).max(),
-                                   err_msg=f"{label} logits")
-        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5, err_msg=f"{label} logprobs")
+        check_same_generation(got, want, label)
         for row, length in enumerate(PROMPT_LENGTHS):  # every fed position's selections
             fed = length + MAX_NEW - 1
             np.testing.assert_array_equal(got.indexer_topk[row, :, :fed], want.indexer_topk[row, :, :fed],
@@ -126,6 +144,13 @@ def main() -> None:
         print(f"PASS {label}: tokens, top-k selections and logits (max diff "
               f"{np.abs(got.logits - want.logits).max():.2e}) equal one device's")
         check_cache_split(mesh_params, config, prompts, mesh, sizes)
+        if sizes in SPECULATIVE_MESHES:
+            got = run_speculative(mesh_params, config, prompts, mesh)
+            label = f"speculative generation on {sizes}"
+            check_same_generation(got, want_speculative, label)
+            assert got.acceptance_length == want_speculative.acceptance_length, label
+            print(f"PASS {label}: tokens and logits equal one device's (acceptance length "
+                  f"{got.acceptance_length:.2f} with {NUM_DRAFT} draft)")
 
 
 if __name__ == "__main__":

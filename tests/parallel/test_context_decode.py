@@ -1,6 +1,6 @@
 """Prefill and decode over a cache split by `context` (`mesh.context`) on 8 fake CPU devices: greedy tokens,
-logits, logprobs and indexer selections equal one device's, the cache is split on its slots, and a decode step
-gathers no cache slots. One
+logits, logprobs and indexer selections equal one device's, the cache is split on its slots, a decode step
+gathers no cache slots, and MTP speculative decoding gives one device's tokens. One
 subprocess runs tests/parallel/_context_decode_checks.py (the device-count flag must be set before jax is
 imported; the rest of the suite keeps one device)."""
 
@@ -23,5 +23,6 @@ def test_context_split_generation_equals_one_device():
     assert result.returncode == 0, f"context decode checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
     passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
     expected = [f"{check} on {sizes}" for sizes in MESHES for check in ("greedy generation", "cache split")]
-    for name in [*expected, "decode collectives on {'context': 8}"]:
+    expected += ["decode collectives on {'context': 8}", "speculative generation on {'fsdp': 2, 'context': 4}"]
+    for name in expected:
         assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n{result.stdout}"

@@ -21,6 +21,7 @@ import numpy as np
 
 from glm5_jax.commands.prompts import Prompt, check_context
 from glm5_jax.commands.source import CommandError, ModelSource, decode_text
+from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.generation import GenerationOutput, SamplingParams, generate, speculative_generate
 
 
@@ -74,12 +75,14 @@ def run_batch(source: ModelSource, prompts: list[Prompt], options: GenerateOptio
         # A cache of at least index_topk rows records index_topk indexer slots per position in every batch,
         # so records of different batches train together (replay needs train.seq_len >= index_topk too).
         max_len = min(max(max_len, source.config.index_topk), source.config.max_position_embeddings)
+    split = context_split(source.mesh)
+    max_len += -max_len % split  # the cache's slots split evenly over `context`
     kwargs = dict(config=source.config, sampling=options.sampling, rng=rng, max_len=max_len,
                   collect_routing=options.collect_routing, on_tokens=on_tokens)
     # The parameters carry their mesh shardings; jit partitions the loop's steps from them.
     if options.speculative:
-        return speculative_generate(source.params, ids, num_draft=options.speculative, **kwargs)
-    return generate(source.params, ids, **kwargs)
+        return speculative_generate(source.params, ids, num_draft=options.speculative, mesh=source.mesh, **kwargs)
+    return generate(source.params, ids, mesh=source.mesh, **kwargs)
 
 
 def prompt_record(source: ModelSource, prompt: Prompt, output: GenerationOutput, row: int) -> dict:

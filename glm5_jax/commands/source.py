@@ -1,7 +1,8 @@
 """SOURCE of `glm5 generate / eval / rollout`: a run directory (`glm5 train` or `glm5 import-hf`; its latest
 checkpoint or `--step N`) or a Hugging Face checkpoint directory (config.json + safetensors), checked before
 anything is read, and its parameters placed on the mesh (the run's `mesh:` section, then `mesh.<axis>=N`
-arguments; -1 takes the devices the other axes leave) with the training run's shardings.
+arguments; -1 takes the devices the other axes leave) with the training run's shardings. `mesh.context` > 1
+splits each sequence (and generation's cache) over that many chips.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import yaml
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.config.experiment import default_mesh
-from glm5_jax.config.mesh import MeshConfig, MeshConfigError, mesh_values
+from glm5_jax.config.mesh import MeshConfig, mesh_values
 from glm5_jax.convert.hf import load_hf_checkpoint
 from glm5_jax.convert.run_dir import restore_run_params
 from glm5_jax.data.tokenizer import load_tokenizer
@@ -69,11 +70,7 @@ def source_kind(path: str | Path) -> str:
 
 def _mesh(run_config: dict | None, items: list[str]):
     values = default_mesh({**((run_config or {}).get("mesh") or {}), **mesh_values(items, usage="mesh.<axis>=<size>, e.g. mesh.fsdp=2")})
-    mesh = MeshConfig.from_mapping(values).resolve(jax.device_count())
-    if mesh.context > 1:  # prefill and decode against a cache split over `context` are not built yet
-        raise MeshConfigError(f"mesh.context={mesh.context} is invalid here: generation and evaluation run whole "
-                              "sequences on each chip; pass mesh.context=1")
-    return make_mesh(mesh)
+    return make_mesh(MeshConfig.from_mapping(values).resolve(jax.device_count()))
 
 
 def _tokenizer_spec(path: Path, kind: str, run_config: dict | None, given: str | None) -> str:

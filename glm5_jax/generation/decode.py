@@ -24,7 +24,7 @@ import numpy as np
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import CachedOutput, KVCache, model_cache, num_selected, run_cached
-from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
+from glm5_jax.generation.inputs import check_context_split, check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (SamplingParams, SamplingValues, is_eos, recorded_logprobs, sample_tokens,
                                           split_sampling)
 from glm5_jax.model.transformer import dtype_of, head_logits
@@ -118,19 +118,20 @@ def _empty_outputs(batch: int, max_new_tokens: int, max_len: int, config: ModelC
 
 
 @functools.partial(jax.jit, static_argnames=("config", "nucleus", "max_len", "max_new_tokens", "collect_routing",
-                                             "return_logits"))
+                                             "return_logits", "mesh"))
 def prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
                   values: SamplingValues, *, config: ModelConfig, nucleus: bool, max_len: int,
-                  max_new_tokens: int, collect_routing: bool, return_logits: bool) -> tuple[DecodeState, jax.Array]:
+                  max_new_tokens: int, collect_routing: bool, return_logits: bool,
+                  mesh=None) -> tuple[DecodeState, jax.Array]:
     """Run the prompts [B, P] through the model into a fresh cache and emit each row's first token.
 
     Returns the state and the final normed hidden states of the prompt positions [B, P, D] (what MTP
-    drafting starts from)."""
+    drafting starts from). With `mesh` the prompts, and under `context` the cache, are split over it."""
     b, p = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     real = positions < prompt_lengths[:, None]
-    cache = model_cache(config, b, max_len, dtype_of(config.compute_dtype))
-    result = run_cached(params, cache, prompts, positions, real, config, collect_routing)
+    cache = model_cache(config, b, max_len, dtype_of(config.compute_dtype), mesh)
+    result = run_cached(params, cache, prompts, positions, real, config, collect_routing, mesh)
     last = jnp.take_along_axis(result.hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = head_logits(params["lm_head"]["kernel"], last)
     key, sample_key = jax.random.split(key)
@@ -143,14 +144,14 @@ def prefill(params: dict, prompts: jax.Array, prompt_lengths: jax.Array, key: ja
     return state, result.hidden
 
 
-@functools.partial(jax.jit, static_argnames=("config", "nucleus"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "nucleus", "mesh"), donate_argnames=("state",))
 def decode_step(params: dict, state: DecodeState, values: SamplingValues, *, config: ModelConfig,
-                nucleus: bool) -> DecodeState:
-    """Feed every unfinished row's newest token at its position, sample the next one."""
+                nucleus: bool, mesh=None) -> DecodeState:
+    """Feed every unfinished row's newest token at its position, sample the next one (`mesh` as `prefill`'s)."""
     active = ~state.out.done
     positions = state.length[:, None]
     result = run_cached(params, state.cache, state.next_token[:, None], positions, active[:, None], config,
-                        state.routing is not None)
+                        state.routing is not None, mesh)
     logits = head_logits(params["lm_head"]["kernel"], result.hidden)
     key, sample_key = jax.random.split(state.key)
     token = sample_tokens(sample_key, logits[:, 0], values, nucleus)
@@ -212,28 +213,32 @@ def host_output(prompts: np.ndarray, lengths: np.ndarray, out: Emitted, routing:
 def generate(params: dict, prompts: Sequence[Sequence[int]], *, config: ModelConfig,
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None, max_len: int | None = None,
              collect_routing: bool = False, return_logits: bool = False,
-             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
+             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None, mesh=None) -> GenerationOutput:
     """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
     `rng` is the sampling key (default `jax.random.key(0)`). `max_len` fixes the cache length (default:
     longest prompt + max_new_tokens); keep it fixed across calls to reuse the compiled steps.
     `collect_routing` records expert choices and indexer top-k for routing replay; `return_logits` keeps the
     [B, M, V] logits of every step (tests, debugging). `on_tokens(tokens [B, M], counts [B])` is called
-    with the host copies of the output so far after every step (streaming; it costs one transfer per step)."""
+    with the host copies of the output so far after every step (streaming; it costs one transfer per step).
+    `mesh`: the device mesh the parameters are on; with `context` > 1 each prompt is split over it (padded
+    to a multiple of it) and so is the cache (`max_len` must then be a multiple of it; by default it is)."""
     check_model(params, config, needs_mtp=False)
+    split = check_context_split(mesh, config)
     sampling = sampling.validate(config.vocab_size)
     padded, lengths = padded_prompts(prompts, config.vocab_size)
-    max_len = resolve_max_len(max_len, lengths, sampling, 0, config)
+    max_len = resolve_max_len(max_len, lengths, sampling, 0, config, split)
     nucleus, values = split_sampling(sampling)
     rng = jax.random.key(0) if rng is None else rng
-    state = prefill(params, jnp.asarray(padded), jnp.asarray(lengths), rng, values, config=config, nucleus=nucleus,
+    fed = np.pad(padded, ((0, 0), (0, -padded.shape[1] % split)))  # the prompt splits evenly over `context`
+    state = prefill(params, jnp.asarray(fed), jnp.asarray(lengths), rng, values, config=config, nucleus=nucleus,
                     max_len=max_len, max_new_tokens=sampling.max_new_tokens, collect_routing=collect_routing,
-                    return_logits=return_logits)[0]
+                    return_logits=return_logits, mesh=mesh)[0]
     report_tokens(on_tokens, state.out)
     # Every step emits a token for each unfinished row, so at most max_new_tokens - 1 steps follow prefill.
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.out.done.all()):
             break
-        state = decode_step(params, state, values, config=config, nucleus=nucleus)
+        state = decode_step(params, state, values, config=config, nucleus=nucleus, mesh=mesh)
         report_tokens(on_tokens, state.out)
     return host_output(padded, lengths, state.out, state.routing, sampling)

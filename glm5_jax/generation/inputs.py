@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.generation.sampling import GenerationError, SamplingParams
 
 PAD_ID = 0
@@ -43,20 +44,34 @@ def padded_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> tuple[n
 
 
 def resolve_max_len(max_len: int | None, lengths: np.ndarray, sampling: SamplingParams, lookahead: int,
-                    config: ModelConfig) -> int:
+                    config: ModelConfig, context: int = 1) -> int:
     """Cache length: the given `max_len`, or just enough for the longest prompt, the new tokens and
-    `lookahead` slots that speculative verification writes past the last emitted token."""
+    `lookahead` slots that speculative verification writes past the last emitted token (rounded up to a
+    multiple of `context`, the chips the cache's slots are split over)."""
     needed = int(lengths.max()) + sampling.max_new_tokens + lookahead
     if max_len is None:
-        max_len = needed
+        max_len = needed + -needed % context
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < needed:
         raise GenerationError(f"max_len={max_len!r} is invalid: must be an integer >= longest prompt "
                               f"({int(lengths.max())}) + max_new_tokens ({sampling.max_new_tokens})"
                               + (f" + num_draft ({lookahead})" if lookahead else "") + f" = {needed}")
+    if max_len % context:
+        raise GenerationError(f"max_len={max_len} is invalid: mesh.context={context} splits the cache's slots into "
+                              f"equal shares, so it must be a multiple of {context}")
     if max_len > config.max_position_embeddings:
         raise GenerationError(f"max_len={max_len} is invalid: must be <= max_position_embeddings "
                               f"({config.max_position_embeddings})")
     return max_len
+
+
+def check_context_split(mesh, config: ModelConfig) -> int:
+    """The chips each sequence and the cache are split over (`mesh.context`), once what they need is checked."""
+    split = context_split(mesh)
+    if split > 1 and config.attention_backend == "pallas":
+        raise GenerationError(f"mesh.context={split} is invalid with attention_backend='pallas': decoding over a "
+                              "split cache runs the jnp path; use attention_backend sparse, dense or auto, or "
+                              "mesh.context=1")
+    return split
 
 
 def check_model(params: dict, config: ModelConfig, *, needs_mtp: bool) -> None:

@@ -36,7 +36,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.generation.cache import KVCache, mtp_cache, run_cached, run_mtp_cached
 from glm5_jax.generation.decode import (DecodeState, GenerationOutput, emit, host_output, prefill, record_routing,
                                         report_tokens)
-from glm5_jax.generation.inputs import check_model, padded_prompts, resolve_max_len
+from glm5_jax.generation.inputs import check_context_split, check_model, padded_prompts, resolve_max_len
 from glm5_jax.generation.sampling import (GenerationError, SamplingParams, SamplingValues, recorded_logprobs,
                                           sample_tokens, sampling_probs, split_sampling)
 from glm5_jax.model.transformer import dtype_of, head_logits
@@ -88,20 +88,21 @@ def mean_acceptance_length(accepted: np.ndarray, verify_steps: np.ndarray) -> fl
 
 
 def _extend_mtp(params: dict, cache: KVCache, tokens: jax.Array, hidden: jax.Array, positions: jax.Array,
-                count: jax.Array, active: jax.Array, config: ModelConfig) -> tuple[KVCache, jax.Array, jax.Array]:
+                count: jax.Array, active: jax.Array, config: ModelConfig,
+                mesh) -> tuple[KVCache, jax.Array, jax.Array]:
     """Write the depth-1 entries (tokens[:, i], hidden[:, i]) at positions[:, i] for i < count; return the
     cache and the MTP output (raw hidden [B, D], logits [B, V]) of each row's last new entry."""
     real = (jnp.arange(tokens.shape[1])[None, :] < count[:, None]) & active[:, None]
-    raw, normed, cache = run_mtp_cached(params, cache, tokens, hidden, positions, real, config)
+    raw, normed, cache = run_mtp_cached(params, cache, tokens, hidden, positions, real, config, mesh)
     last = (count - 1)[:, None, None]
     raw_last = jnp.take_along_axis(raw, last, axis=1)[:, 0]
     logits = head_logits(params["lm_head"]["kernel"], jnp.take_along_axis(normed, last, axis=1))[:, 0]
     return cache, raw_last, logits
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def mtp_prefill(params: dict, state: DecodeState, hidden: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
-                *, config: ModelConfig) -> SpeculativeState:
+                *, config: ModelConfig, mesh=None) -> SpeculativeState:
     """After the main prefill (state, prompt hidden states [B, P, D]): fill the MTP cache with the prompt's
     depth-1 entries (t_{j+1}, h_0[j]), the first emitted token standing in for t_P at the last position."""
     b, p = prompts.shape
@@ -109,17 +110,18 @@ def mtp_prefill(params: dict, state: DecodeState, hidden: jax.Array, prompts: ja
     shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), prompts.dtype)], axis=1)
     shifted = shifted.at[jnp.arange(b), prompt_lengths - 1].set(state.next_token)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    cache = mtp_cache(config, b, max_len, dtype_of(config.compute_dtype))
+    cache = mtp_cache(config, b, max_len, dtype_of(config.compute_dtype), mesh)
     cache, mtp_hidden, mtp_logits = _extend_mtp(params, cache, shifted, hidden, positions, prompt_lengths,
-                                                jnp.ones((b,), bool), config)
+                                                jnp.ones((b,), bool), config, mesh)
     zeros = jnp.zeros((b,), jnp.int32)
     return SpeculativeState(state, cache, mtp_hidden, mtp_logits, zeros, zeros)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "nucleus", "num_draft"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "nucleus", "num_draft", "mesh"), donate_argnames=("state",))
 def speculative_step(params: dict, state: SpeculativeState, values: SamplingValues, *, config: ModelConfig,
-                     nucleus: bool, num_draft: int) -> SpeculativeState:
-    """Draft `num_draft` tokens with the MTP module, verify them in one main-model forward, accept a prefix."""
+                     nucleus: bool, num_draft: int, mesh=None) -> SpeculativeState:
+    """Draft `num_draft` tokens with the MTP module, verify them in one main-model forward, accept a prefix
+    (`mesh` as `prefill`'s)."""
     decode = state.decode
     active = ~decode.out.done
     n = decode.length
@@ -134,14 +136,14 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
         draft_logits.append(logits)
         if depth + 1 < num_draft:
             raw, normed, cache = run_mtp_cached(params, cache, token[:, None], hidden[:, None], (n + depth)[:, None],
-                                                active[:, None], config)
+                                                active[:, None], config, mesh)
             hidden, logits = raw[:, 0], head_logits(params["lm_head"]["kernel"], normed)[:, 0]
     drafts = jnp.stack(drafts, axis=1)  # [B, K]
 
     fed = jnp.concatenate([decode.next_token[:, None], drafts], axis=1)  # [B, K + 1]
     positions = n[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
     verify = run_cached(params, decode.cache, fed, positions, jnp.broadcast_to(active[:, None], fed.shape), config,
-                        decode.routing is not None)
+                        decode.routing is not None, mesh)
     target_logits = head_logits(params["lm_head"]["kernel"], verify.hidden)
     accepted, next_token = accept_drafts(accept_key, drafts, jnp.stack(draft_logits, axis=1), target_logits,
                                          values, nucleus)
@@ -151,7 +153,7 @@ def speculative_step(params: dict, state: SpeculativeState, values: SamplingValu
     out = emit(decode.out, emitted, logprobs, accepted + 1, values, target_logits)
 
     cache, mtp_hidden, mtp_logits = _extend_mtp(params, cache, emitted, verify.hidden, positions, accepted + 1,
-                                                active, config)
+                                                active, config, mesh)
     keep = active[:, None]
     return SpeculativeState(
         decode=DecodeState(
@@ -174,30 +176,34 @@ def speculative_generate(params: dict, prompts: Sequence[Sequence[int]], *, conf
                          sampling: SamplingParams = SamplingParams(), num_draft: int | None = None,
                          rng: jax.Array | None = None, max_len: int | None = None, collect_routing: bool = False,
                          return_logits: bool = False,
-                         on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
+                         on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                         mesh=None) -> GenerationOutput:
     """`generate` with MTP drafting of `num_draft` tokens per main-model forward (default: the depth the
     shared MTP module was trained with, `config.mtp_num_steps`); same outputs (tokens, logprobs, routing)
     plus `acceptance_length` (`on_tokens` as in `generate`). `max_len` must leave `num_draft` slots of lookahead (default: longest prompt +
-    max_new_tokens + num_draft)."""
+    max_new_tokens + num_draft). `mesh` as in `generate`: under `context` the MTP cache is split too."""
     check_model(params, config, needs_mtp=True)
+    split = check_context_split(mesh, config)
     num_draft = config.mtp_num_steps if num_draft is None else num_draft
     if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
         raise GenerationError(f"num_draft={num_draft!r} is invalid: must be an integer >= 1")
     sampling = sampling.validate(config.vocab_size)
     padded, lengths = padded_prompts(prompts, config.vocab_size)
-    max_len = resolve_max_len(max_len, lengths, sampling, num_draft, config)
+    max_len = resolve_max_len(max_len, lengths, sampling, num_draft, config, split)
     nucleus, values = split_sampling(sampling)
     rng = jax.random.key(0) if rng is None else rng
-    prompts_array, lengths_array = jnp.asarray(padded), jnp.asarray(lengths)
+    fed = np.pad(padded, ((0, 0), (0, -padded.shape[1] % split)))  # the prompt splits evenly over `context`
+    prompts_array, lengths_array = jnp.asarray(fed), jnp.asarray(lengths)
     decode, hidden = prefill(params, prompts_array, lengths_array, rng, values, config=config, nucleus=nucleus,
                              max_len=max_len, max_new_tokens=sampling.max_new_tokens,
-                             collect_routing=collect_routing, return_logits=return_logits)
-    state = mtp_prefill(params, decode, hidden, prompts_array, lengths_array, config=config)
+                             collect_routing=collect_routing, return_logits=return_logits, mesh=mesh)
+    state = mtp_prefill(params, decode, hidden, prompts_array, lengths_array, config=config, mesh=mesh)
     report_tokens(on_tokens, state.decode.out)
     for _ in range(sampling.max_new_tokens - 1):
         if bool(state.decode.out.done.all()):
             break
-        state = speculative_step(params, state, values, config=config, nucleus=nucleus, num_draft=num_draft)
+        state = speculative_step(params, state, values, config=config, nucleus=nucleus, num_draft=num_draft,
+                                 mesh=mesh)
         report_tokens(on_tokens, state.decode.out)
     acceptance = mean_acceptance_length(np.asarray(state.accepted), np.asarray(state.verify_steps))
     return host_output(padded, lengths, state.decode.out, state.decode.routing, sampling, acceptance)

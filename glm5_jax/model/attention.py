@@ -23,7 +23,8 @@ from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
 from glm5_jax.ops.platform import uses_kernels
-from glm5_jax.ops.sparse_attention import dense_attention_with_target, sparse_attention, sparse_attention_with_target
+from glm5_jax.ops.sparse_attention import (cache_attention, dense_attention_with_target, sparse_attention,
+                                          sparse_attention_with_target)
 from pallas_kernels.dense_target import head_mean_target, visible_softmax
 from pallas_kernels.masks import selected_mask, visible_keys
 
@@ -140,12 +141,14 @@ class MLA(nnx.Module):
             heads = self.latent_to_heads(latent_out)
         return self.output_projection(heads)
 
-    def attend_cached(self, proj: Projection, indices: jax.Array, cache: LayerCache) -> tuple[jax.Array, jax.Array]:
+    def attend_cached(self, proj: Projection, indices: jax.Array, cache: LayerCache,
+                      mesh=None) -> tuple[jax.Array, jax.Array]:
         """Write the new rows into the cache, then attend (absorbed form) over the selected cached rows; the
         dense training reference decodes in the absorbed form too (the two forms are equal). Returns
-        ([B, S, D], the new latent cache)."""
-        latent = write_rows(cache.kv.latent, cache.layer, proj.rows, cache.positions)
-        latent_out = sparse_attention(self.absorbed_queries(proj), latent[cache.layer], indices, config=self.config)
+        ([B, S, D], the new latent cache). The cache may be split over `context` (`ops.cache_attention`)."""
+        latent = write_rows(cache.kv.latent, cache.layer, proj.rows, cache.positions, mesh)
+        latent_out = cache_attention(self.absorbed_queries(proj), latent[cache.layer], indices, config=self.config,
+                                     mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent_out)), latent
 
     def attend_dense_with_target(self, proj: Projection, visible: jax.Array, segment_ids: jax.Array,

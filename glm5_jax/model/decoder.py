@@ -69,14 +69,14 @@ class DecoderLayer(nnx.Module):
 
             def own_topk(index_keys):
                 return indexer.topk_over_cache(h, proj.q_resid, ctx,
-                                               cache._replace(kv=cache.kv._replace(index_keys=index_keys)))
+                                               cache._replace(kv=cache.kv._replace(index_keys=index_keys)), mesh)
 
             if run_indexer is True:
                 topk, index_keys = own_topk(cache.kv.index_keys)
             else:
                 topk, index_keys = jax.lax.cond(run_indexer, own_topk, lambda keys: (prev_topk, keys),
                                                 cache.kv.index_keys)
-            attn_out, latent = self.attn.attend_cached(proj, topk, cache)
+            attn_out, latent = self.attn.attend_cached(proj, topk, cache, mesh)
             cache = cache._replace(kv=KVCache(latent, index_keys))
         else:
             if topk_override is not None:

@@ -13,13 +13,9 @@ from flax import nnx
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.model.context import LayerContext
-from glm5_jax.model.kv_cache import LayerCache, visible_slots, write_rows
+from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved
-from glm5_jax.ops.indexer_select import indexer_topk
-from pallas_kernels import NEG_INF
-from pallas_kernels.chunked_topk import index_scores
-from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
-from pallas_kernels.reference import topk_from_scores
+from glm5_jax.ops.indexer_select import cache_topk, indexer_topk
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -64,27 +60,13 @@ class Indexer(nnx.Module):
         q, weights, keys = self(x, q_resid, ctx.cos, ctx.sin)
         return indexer_topk(q, keys, weights, ctx.segment_ids, config=self.config, mesh=mesh)
 
-    def topk_over_cache(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext,
-                        cache: LayerCache) -> tuple[jax.Array, jax.Array]:
+    def topk_over_cache(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext, cache: LayerCache,
+                        mesh=None) -> tuple[jax.Array, jax.Array]:
         """Write this layer's keys into the cache, score the new queries against every cached key up to their
         position, keep the top-k. Returns (top-k [B, S, N], the new index-key cache). With `index_query_chunk`
-        a long prefill holds one [B, chunk, T] score block at a time."""
+        a long prefill holds one [B, chunk, T] score block at a time; under a `context` split of the cache
+        the selection is still one chip's (`glm5_jax.ops.indexer_select.cache_topk`)."""
         q, weights, keys = self(x, q_resid, ctx.cos, ctx.sin)
-        index_keys = write_rows(cache.kv.index_keys, cache.index_slot, keys, cache.positions)
-        cached_keys = index_keys[cache.index_slot]
-        topk = map_query_chunks(
-            lambda q_c, w_c, pos_c: _topk_over_cache(q_c, w_c, pos_c, cached_keys, self.config.index_topk),
-            num_query_chunks(q.shape[1], self.config.index_query_chunk), q, weights, cache.positions)
+        index_keys = write_rows(cache.kv.index_keys, cache.index_slot, keys, cache.positions, mesh)
+        topk = cache_topk(q, weights, cache.positions, index_keys[cache.index_slot], config=self.config, mesh=mesh)
         return topk, index_keys
-
-
-def _topk_over_cache(q: jax.Array, weights: jax.Array, positions: jax.Array, keys: jax.Array,
-                     topk: int) -> jax.Array:
-    """Top-k cached keys [B, S, N] for indexer queries at `positions` [B, S] (keys [B, T, J])."""
-    b, s = positions.shape
-    max_len = keys.shape[1]
-    # Causality comes from the per-row positions; the indexer's own mask (one offset for all rows) is off.
-    one_segment_q, one_segment_k = jnp.ones((b, s), jnp.int32), jnp.ones((b, max_len), jnp.int32)
-    scores = index_scores(q, keys, weights, one_segment_q, one_segment_k, q_offset=max_len)
-    scores = jnp.where(visible_slots(positions, max_len), scores, NEG_INF)
-    return topk_from_scores(scores, topk)

@@ -6,7 +6,9 @@ q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot).
 `pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
 kernels are `pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under
 `shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel. The jnp path runs under
-`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global)."""
+`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global).
+`cache_attention` reads a decoding cache; under a `context` split of its slots, whole new tokens (decode) are
+attended by each chip over the selected rows it owns, and the partial outputs merge by their log-sum-exp."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.distributed.batch_local import batch_local
+from glm5_jax.config.mesh import CONTEXT_AXIS
+from glm5_jax.distributed.batch_local import batch_local, context_split
+from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
@@ -35,6 +39,38 @@ def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, confi
                            (q, rows, indices))
     return context_local(lambda _, q, indices, rows: _jnp_attention(q, rows, indices, config)[0], mesh,
                          (q, indices), (rows,))
+
+
+def cache_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
+                    mesh=None) -> jax.Array:
+    """The latent attention output [B, S, H, C] of new tokens' absorbed queries q [B, S, H, C+R] over the
+    selected slots `indices` [B, S, N] (global; -1 = unused) of one layer's cache rows [B, T, C+R]. Under a
+    `context` split of the slots (jnp path only), new tokens split like the cache attend over the gathered
+    rows; whole new tokens (decode) are attended by each chip over the selected rows it owns, giving a partial
+    output and log-sum-exp per query and head, and the chips' partials merge across `context` (flash-decoding)."""
+    if context_split(mesh) == 1:
+        return sparse_attention(q, rows, indices, config=config, mesh=mesh)
+    if uses_kernels(config):
+        require_whole_sequences(mesh, "decoding with the sparse MLA kernel (attention_backend pallas)")
+
+    def share(first_slot, rows, q, indices):
+        local = indices - first_slot
+        owned = (indices >= 0) & (local >= 0) & (local < rows.shape[1])
+        out, lse, _ = _jnp_attention(q, rows, jnp.where(owned, local, -1), config)
+        return merge_partial_attention(out, lse)
+
+    return against_cache(lambda rows, q, indices: _jnp_attention(q, rows, indices, config)[0], share, mesh,
+                         (rows,), (q, indices))
+
+
+def merge_partial_attention(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """Inside a `context` split: the attention over every chip's keys from each chip's output over its own
+    keys, out [B, S, H, C], and their log-sum-exp lse [B, S, H] (fp32). A chip that owns none of a query's
+    keys has an lse near NEG_INF and weighs nothing; a query with no key anywhere gets zeros, as on one chip."""
+    weight = jnp.exp(lse - jax.lax.pmax(lse, CONTEXT_AXIS))
+    total = jax.lax.psum(weight, CONTEXT_AXIS)
+    merged = jax.lax.psum(out.astype(jnp.float32) * weight[..., None], CONTEXT_AXIS)
+    return (merged / total[..., None]).astype(out.dtype)
 
 
 def _jnp_attention(q, rows, indices, config: ModelConfig):

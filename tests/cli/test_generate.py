@@ -1,5 +1,5 @@
 """`glm5 generate` through the command line: the library's decode loop at the same seed, MTP speculative
-decoding's greedy tokens, HF `generate` from a Hugging Face checkpoint directory, and a two-device mesh. The
+decoding's greedy tokens, HF `generate` from a Hugging Face checkpoint directory, and two-device meshes. The
 commands run in the test process (`run_cli`), except the two-device one (a device count needs a new process)."""
 
 import json
@@ -104,12 +104,15 @@ def test_greedy_from_a_hugging_face_checkpoint_equals_hf_generate(tmp_path):
 
 @pytest.mark.slow
 def test_generate_on_a_two_device_mesh_gives_the_one_device_tokens(trained_run, tmp_path):
+    """The batch split over `fsdp`, and each prompt and the cache split over `context`."""
     run_dir, _ = trained_run
     prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
     args = [sys.executable, "-m", "glm5_jax.cli", "generate", str(run_dir), "--prompts", str(prompts), "--json",
             "--max-new-tokens", "6", "--temperature", "0"]
     one = run_cli(*args[3:])
-    two = subprocess.run([*args, "mesh.fsdp=2"], capture_output=True, text=True, env=subprocess_env(devices=2),
-                         cwd=REPO, timeout=600)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
-    assert [r["tokens"] for r in _records(two.stdout)] == [r["tokens"] for r in _records(one.stdout)]
+    assert one.returncode == 0, one.stderr[-3000:]
+    for mesh in ("mesh.fsdp=2", "mesh.context=2"):
+        two = subprocess.run([*args, mesh], capture_output=True, text=True, env=subprocess_env(devices=2), cwd=REPO,
+                             timeout=600)
+        assert two.returncode == 0, f"{mesh}: {two.stderr[-3000:]}"
+        assert [r["tokens"] for r in _records(two.stdout)] == [r["tokens"] for r in _records(one.stdout)], mesh

@@ -10,8 +10,12 @@ import pytest
 from generation_setup import (CONFIG, GREEDY, MAX_NEW, PROMPTS, SHARED_CONFIG, assert_on_policy, reference_forward,
                               run_greedy, trainer_logprobs)
 
+from glm5_jax.config.mesh import AXIS_NAMES
 from glm5_jax.generation import GenerationError, SamplingParams, generate, to_rollout_records
 from glm5_jax.generation.sampling import processed_logits, split_sampling
+
+# Each sequence and the cache split over 2 chips (the checks run before anything needs the devices).
+CONTEXT_2 = jax.sharding.AbstractMesh((1, 1, 1, 2, 1), AXIS_NAMES)
 
 
 def assert_matches_forward(params, config, output):
@@ -120,11 +124,15 @@ def test_eos_stops_only_its_row(params, greedy_output):
     (dict(sampling=SamplingParams(eos_ids=(500,))), r"eos_ids contains 500"),
     (dict(sampling=SamplingParams(max_new_tokens=0)), r"max_new_tokens=0 is invalid"),
     (dict(max_len=5), r"max_len=5 is invalid: must be an integer >= longest prompt \(9\)"),
+    (dict(max_len=17, mesh=CONTEXT_2), r"max_len=17 is invalid: mesh.context=2 splits the cache's slots into equal "
+                                       r"shares, so it must be a multiple of 2"),
+    (dict(config=dataclasses.replace(CONFIG, attention_backend="pallas"), mesh=CONTEXT_2),
+     r"mesh.context=2 is invalid with attention_backend='pallas'"),
 ])
 def test_bad_input_is_rejected_before_compiling(params, kwargs, message):
-    kwargs = {"prompts": PROMPTS, "sampling": GREEDY, **kwargs}
+    kwargs = {"prompts": PROMPTS, "sampling": GREEDY, "config": CONFIG, **kwargs}
     with pytest.raises(GenerationError, match=message):
-        generate(params, kwargs.pop("prompts"), config=CONFIG, **kwargs)
+        generate(params, kwargs.pop("prompts"), **kwargs)
 
 
 

@@ -82,13 +82,12 @@ def validate_mesh_fit(cfg: "ExperimentConfig") -> None:
     if mesh.expert > 1 and model.n_routed_experts % mesh.expert:
         _fail("mesh.expert", mesh.expert, f"must divide model.n_routed_experts={model.n_routed_experts}")
     if mesh.context > 1:
-        validate_context_split(mesh.context, train.seq_len, model.attention_backend, model.index_query_chunk)
+        validate_context_split(mesh.context, train.seq_len, model.index_query_chunk)
 
 
-def validate_context_split(context: int, seq_len: int, attention_backend: str, query_chunk: int = 0) -> None:
+def validate_context_split(context: int, seq_len: int, query_chunk: int = 0) -> None:
     """`mesh.context` splits each sequence into equal shares, two per chip (room for the load-balanced causal
-    order); each chip's queries run in blocks of `index_query_chunk`; the Pallas kernels do not run across the
-    split yet."""
+    order); each chip's queries run in blocks of `index_query_chunk`."""
     if seq_len % (2 * context):
         _fail("mesh.context", context, f"must split train.seq_len={seq_len} into 2 x {context} equal chunks: make "
               f"the sequence length a multiple of {2 * context}")
@@ -97,9 +96,6 @@ def validate_context_split(context: int, seq_len: int, attention_backend: str, q
         # The blocks would silently fall back to one block of the chip's every query, with its memory.
         _fail("model.index_query_chunk", query_chunk, f"must divide each chip's {local} queries (train.seq_len="
               f"{seq_len} / mesh.context={context}), or be 0 or >= it")
-    if attention_backend == "pallas":
-        _fail("mesh.context", context, "model.attention_backend=pallas does not run across a split sequence "
-              "yet; use attention_backend sparse, dense or auto, or mesh.context=1")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,

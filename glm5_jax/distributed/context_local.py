@@ -33,14 +33,15 @@ def require_whole_sequences(mesh, what: str) -> None:
                          "model.attention_backend sparse, dense or auto, or mesh.context=1")
 
 
-def context_local(fn, mesh, queries: tuple, keys: tuple, *, sorts_rows: bool = False):
+def context_local(fn, mesh, queries: tuple, keys: tuple, *, local_rows: bool = False):
     """`fn(q_offset, *queries, *keys)` on each chip's batch rows and share of the queries, with the `keys`
     arrays all-gathered over `context`. Every input is [B, S, ...] (S = the global sequence); every output
-    must be per query, [B, S, ...], and comes back split like the queries. `sorts_rows`: fn sorts along rows
-    (top-k), so without a context split it still runs on each device's own rows (`batch_local`)."""
+    must be per query, [B, S, ...], and comes back split like the queries. `local_rows`: fn must see only its
+    device's rows (it sorts along rows, as top-k does, or is a Mosaic kernel GSPMD cannot partition), so
+    without a context split it still runs on each device's own rows (`batch_local`)."""
     split = context_split(mesh)
     if split == 1:
-        if sorts_rows:
+        if local_rows:
             return batch_local(lambda *args: fn(0, *args), mesh, queries + keys)
         return fn(0, *queries, *keys)
     shapes = {x.shape[:2] for x in queries + keys}

@@ -4,9 +4,9 @@ place, with the indexer KL's targets (head-mean attention probabilities) for DSA
 Every head of a query attends over the same selected rows [c ; k_rope] (width C + R) of `rows` [B, T, C+R];
 q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
 `pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
-kernels are `pallas_kernels.sparse_mla_attention` and the target kernels, run on each device's own rows under
-`shard_map` (`batch_local`), since GSPMD cannot partition a Mosaic kernel. The jnp path runs under
-`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global).
+kernels are `pallas_kernels.sparse_mla_attention` and the target kernels. Both run under `context_local`: each
+chip's queries over the rows all-gathered over `context` (indices are global), the kernels always on each
+device's own rows (`shard_map`), since GSPMD cannot partition a Mosaic kernel.
 `cache_attention` reads a decoding cache; under a `context` split of its slots, whole new tokens (decode) are
 attended by each chip over the selected rows it owns, and the partial outputs merge by their log-sum-exp."""
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.config.mesh import CONTEXT_AXIS
-from glm5_jax.distributed.batch_local import batch_local, context_split
+from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
 from glm5_jax.ops.platform import uses_kernels
@@ -33,12 +33,9 @@ def _kernel_attention(q, rows, indices, config: ModelConfig):
 def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
                      mesh=None) -> jax.Array:
     """The latent attention output [B, S, H, C] over the selected rows."""
-    if uses_kernels(config):
-        require_whole_sequences(mesh, "the sparse MLA kernel (attention_backend pallas)")
-        return batch_local(lambda q, rows, indices: _kernel_attention(q, rows, indices, config)[0], mesh,
-                           (q, rows, indices))
-    return context_local(lambda _, q, indices, rows: _jnp_attention(q, rows, indices, config)[0], mesh,
-                         (q, indices), (rows,))
+    attend = _kernel_attention if uses_kernels(config) else _jnp_attention
+    return context_local(lambda _, q, indices, rows: attend(q, rows, indices, config)[0], mesh, (q, indices),
+                         (rows,), local_rows=uses_kernels(config))
 
 
 def cache_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
@@ -88,16 +85,15 @@ def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Arr
             latent, _, target = _jnp_attention(q, rows, indices, config)
             return latent, target
         return context_local(jnp_path, mesh, (q, indices), (rows,))
-    require_whole_sequences(mesh, "the sparse MLA kernel (attention_backend pallas)")
 
-    def kernels(q, rows, indices):
+    def kernels(_, q, indices, rows):
         latent, lse = _kernel_attention(q, rows, indices, config)
         target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows), indices,
                                          jax.lax.stop_gradient(lse), scale=config.softmax_scale,
                                          **config.pallas_options)
         return latent, target
 
-    return batch_local(kernels, mesh, (q, rows, indices))
+    return context_local(kernels, mesh, (q, indices), (rows,), local_rows=True)
 
 
 def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Array, segment_ids: jax.Array, *,
@@ -109,14 +105,13 @@ def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Arra
     if not uses_kernels(config):
         raise ValueError(f"dense_attention_with_target runs the kernels of attention_backend "
                          f"'pallas'; attention_backend={config.attention_backend!r} uses the expanded form")
-    require_whole_sequences(mesh, "the dense attention target kernel (attention_backend pallas)")
 
-    def kernels(q, rows, visible, segment_ids):
+    def kernels(q_offset, q, visible, q_segment_ids, rows, k_segment_ids):
         every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
         latent, _ = _kernel_attention(q, rows, every_visible, config)
         target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows),
-                                        scale=config.softmax_scale, q_segment_ids=segment_ids,
-                                        k_segment_ids=segment_ids, **config.pallas_options)
+                                        scale=config.softmax_scale, q_segment_ids=q_segment_ids,
+                                        k_segment_ids=k_segment_ids, q_offset=q_offset, **config.pallas_options)
         return latent, target
 
-    return batch_local(kernels, mesh, (q, rows, visible, segment_ids))
+    return context_local(kernels, mesh, (q, visible, segment_ids), (rows, segment_ids), local_rows=True)

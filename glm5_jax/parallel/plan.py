@@ -350,7 +350,7 @@ def _check_layout(config: ModelConfig, mesh: MeshConfig, batch: int, seq: int) -
                         "devices, so it must be a multiple of that")
     if mesh.context > 1:
         try:
-            validate_context_split(mesh.context, seq, config.attention_backend, config.index_query_chunk)
+            validate_context_split(mesh.context, seq, config.index_query_chunk)
         except ConfigError as err:
             raise PlanError(str(err).replace("train.seq_len", "seq")) from None
     if mesh.expert > 1 and config.moe_backend != "ep":

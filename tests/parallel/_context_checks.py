@@ -6,8 +6,8 @@ or `expert`) must equal one device's, on packed rows whose documents cross the c
 indexer must pick the same keys. The one-device reference of each objective is computed once; the meshes of
 a mode share nothing but the parameters and the batch (each mesh is one compile).
 
-Usage: python tests/parallel/_context_checks.py [topk | pretrain | dsa_sparse | dsa_warmup | scaling ...]
-(default: all but scaling). Every check prints "PASS <name>"; a failure exits non-zero.
+Usage: python tests/parallel/_context_checks.py [topk | pretrain | dsa_sparse | dsa_warmup | rl | pallas | scaling ...]
+(default: all but scaling and pallas). Every check prints "PASS <name>"; a failure exits non-zero.
 """
 
 import sys
@@ -48,6 +48,9 @@ MESHES = {
     "rl": [dict(context=4)],
 }
 TOPK_MESHES = [dict(context=8)]
+# The Pallas kernels (interpret mode on CPU) across the split, each chip's queries at their global offset: the
+# two DSA modes run every kernel (indexer top-k and scores, sparse MLA forward and backward, both KL targets).
+PALLAS_MESHES = {"dsa_sparse": [dict(context=2)], "dsa_warmup": [dict(context=2, fsdp=2)]}
 # The indexer KL is a sum of small differences of logs, and its gradients (the indexer's) inherit that: on
 # `fsdp` 2 alone (no context split, the batch split that predates it) the KL sum already differs from one
 # device's by 5.6e-5 relative and an indexer gradient by 1.1e-5 of its largest entry, so those get 2e-4 and
@@ -142,19 +145,19 @@ def split_batch(batch: dict, mesh) -> dict:
     return {key: jax.device_put(value, NamedSharding(mesh, spec(key, value))) for key, value in batch.items()}
 
 
-def check_mode(mode: str, config, params, batches: dict) -> None:
+def check_mode(mode: str, config, params, batches: dict, meshes: list[dict] | None = None) -> None:
     if mode == "rl":
         config = dataclasses.replace(config, attention_backend="dense")
     reference = gradient_fn(config, mode, None)
     wants = {name: jax.device_get(reference(params, batch)) for name, batch in batches.items()}
-    for sizes in MESHES[mode]:
+    for sizes in MESHES[mode] if meshes is None else meshes:
         mesh = mesh_of(sizes)
         fn = gradient_fn(config, mode, mesh)
         mesh_params = shard_params(params, mesh, config=config)
         for name, batch in batches.items():
             value, sums, grads = jax.device_get(fn(mesh_params, split_batch(batch, mesh)))
             want_value, want_sums, want_grads = wants[name]
-            label = f"{name} on {sizes}"
+            label = f"{name} ({config.attention_backend}) on {sizes}"
             close(value, want_value, f"{label} loss")
             for key in want_sums:
                 close(sums[key], want_sums[key], f"{label} {key}", **SUM_TOLERANCE.get(key, {}))
@@ -224,6 +227,10 @@ def main(modes: list[str]) -> None:
             check_topk(config, params, lm["pretrain"])
         elif mode == "scaling":
             check_scaling()
+        elif mode == "pallas":
+            kernels = dataclasses.replace(config, attention_backend="pallas")
+            for dsa_mode, meshes in PALLAS_MESHES.items():
+                check_mode(dsa_mode, kernels, params, {dsa_mode: lm["pretrain"]}, meshes)
         else:
             # pretrain and sft run the same objective; sft differs by its loss mask only, so both batches
             # go through the pretrain objective's compiled gradient.

@@ -1,6 +1,8 @@
 """`mesh.context` on one device: the axis in configs, overrides, meshes and the rule table; the refusals that
-name it (a sequence it cannot split in two chunks per chip, the Pallas kernels); the planner's split of
-activations and its key all-gathers. (Values on split sequences: test_context_parallel.py, 8 devices.)"""
+name it (a sequence it cannot split in two chunks per chip, a query block that does not divide a chip's
+queries); the planner's split of activations and weights and its key all-gathers. (Values on split sequences: test_context_parallel.py, 8 devices.)"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +32,17 @@ def test_context_axis_is_parsed_built_and_splits_the_sequence_only():
     assert make_mesh(MeshConfig()).axis_names == ("data", "fsdp", "expert", "context", "tensor")
     sizes = {"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1}
     assert logical_to_spec(("batch", "seq", "embed"), (2, 64, 32), sizes) == P("fsdp", "context", None)
-    # Weights are not split over `context` (no parameter dim is "seq").
-    assert logical_to_spec(("embed", "q_lora"), (64, 32), sizes) == P("fsdp", None)
+    # Weights are FSDP-sharded over `context` too (after `fsdp`), and routed experts spread over it.
+    assert logical_to_spec(("embed", "q_lora"), (64, 32), sizes) == P(("fsdp", "context"), None)
+    assert logical_to_spec(("experts", "expert_embed", None), (8, 64, 32), sizes) == P("context", "fsdp", None)
 
 
 def test_context_split_refusals_name_the_field():
     with pytest.raises(ConfigError, match=r"mesh.context=4 is invalid: must split train.seq_len=36 into 2 x 4"):
         load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=4", "train.seq_len=36"])
-    with pytest.raises(ConfigError, match=r"mesh.context=2 is invalid: model.attention_backend=pallas does not run"):
-        load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=2", "train.seq_len=64",
-                                              "model.attention_backend=pallas"])
+    # The Pallas kernels run across the split (each chip's queries with their global offset).
+    assert load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=2", "train.seq_len=64",
+                                                 "model.attention_backend=pallas"]).mesh.context == 2
     # 64 divides the sequence (384) but not a chip's 96 queries
     with pytest.raises(ConfigError, match=r"model.index_query_chunk=64 is invalid: must divide each chip's 96 "):
         load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=4", "train.seq_len=384",
@@ -61,11 +64,18 @@ def test_one_device_is_the_context_one_case_with_offset_zero():
 
 
 def test_plan_splits_activations_and_counts_key_all_gathers():
-    whole = plan(TINY, MeshConfig(), PlanSettings(batch=1, seq=256, optimizer="adamw"))
-    split = plan(TINY, MeshConfig(context=4), PlanSettings(batch=1, seq=256, optimizer="adamw"))
-    for kind in ("activations_saved", "activations_working_set"):
-        assert split["memory_bytes"][kind] == pytest.approx(whole["memory_bytes"][kind] / 4, rel=0.02), kind
-    assert split["memory_bytes"]["params"] == whole["memory_bytes"]["params"]
+    # Activations split 4 ways. (With `ep` the experts' receive buffers also change shape: they are spread over
+    # `context` too, so these are compared with the experts on every chip.)
+    local_experts = dataclasses.replace(TINY, moe_backend="ragged")
+    settings = PlanSettings(batch=1, seq=256, optimizer="adamw")
+    whole, split = (plan(local_experts, mesh, settings) for mesh in (MeshConfig(), MeshConfig(context=4)))
+    assert split["memory_bytes"]["activations_saved"] == pytest.approx(
+        whole["memory_bytes"]["activations_saved"] / 4, rel=0.02)
+    assert split["memory_bytes"]["activations_working_set"] < whole["memory_bytes"]["activations_working_set"] / 3
+    whole, split = (plan(TINY, mesh, settings) for mesh in (MeshConfig(), MeshConfig(context=4)))
+    # The weights (experts included) are split over the context chips too; only small vectors stay whole.
+    assert split["memory_bytes"]["params"] == pytest.approx(whole["memory_bytes"]["params"] / 4, rel=0.02)
+    assert split["communication_bytes"]["fsdp_reduce_scatter"] > 0 == whole["communication_bytes"]["fsdp_reduce_scatter"]
     comm = split["communication_bytes"]
     key_width = TINY.kv_lora_rank + TINY.qk_rope_head_dim + TINY.index_head_dim
     layers = TINY.num_hidden_layers + TINY.mtp_num_steps

@@ -1,6 +1,6 @@
 """Context parallelism (`mesh.context`) on 8 fake CPU devices: every training objective's loss and gradients,
-and the indexer's top-k, on sequences split over `context` (alone, with `fsdp`, with `expert`) equal one
-device's. One subprocess runs tests/parallel/_context_checks.py (the device-count flag must be set before jax
+and the indexer's top-k, on sequences split over `context` (alone, with `fsdp`, with `expert`; the jnp paths
+and the Pallas kernels) equal one device's. One subprocess runs tests/parallel/_context_checks.py (the device-count flag must be set before jax
 is imported; the rest of the suite keeps one device)."""
 
 import subprocess
@@ -15,28 +15,40 @@ CHECKS = Path(__file__).with_name("_context_checks.py")
 # on import, so it is not imported here).
 EXPECTED = [
     "top-k selections on {'context': 8}",
-    *(f"{batch} on {sizes}" for sizes in ("{'context': 8}", "{'context': 2, 'fsdp': 2}",
-                                          "{'context': 2, 'expert': 2}") for batch in ("pretrain", "sft")),
-    "dsa_sparse on {'context': 4}",
-    "dsa_warmup on {'context': 2}",
-    "rl on {'context': 4}",
+    *(f"{batch} (sparse) on {sizes}" for sizes in ("{'context': 8}", "{'context': 2, 'fsdp': 2}",
+                                                   "{'context': 2, 'expert': 2}") for batch in ("pretrain", "sft")),
+    "dsa_sparse (sparse) on {'context': 4}",
+    "dsa_warmup (sparse) on {'context': 2}",
+    "rl (dense) on {'context': 4}",
 ]
+# The child's PALLAS_MESHES: the kernels (interpret mode) across the split.
+EXPECTED_KERNELS = ["dsa_sparse (pallas) on {'context': 2}", "dsa_warmup (pallas) on {'context': 2, 'fsdp': 2}"]
+
+
+def run_checks(*modes: str) -> list[str]:
+    """The PASS lines of one child run of the checks (all but scaling and pallas when no mode is given)."""
+    result = subprocess.run([sys.executable, str(CHECKS), *modes], capture_output=True, text=True,
+                            env=subprocess_env(), cwd=CHECKS.parents[2], timeout=600)
+    assert result.returncode == 0, f"context checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    return [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
+
+
+def assert_passed(passed: list[str], expected: list[str]) -> None:
+    for name in expected:
+        assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n" + "\n".join(passed)
 
 
 @pytest.mark.slow
 def test_context_parallel_equals_one_device():
-    result = subprocess.run([sys.executable, str(CHECKS)], capture_output=True, text=True, env=subprocess_env(),
-                            cwd=CHECKS.parents[2], timeout=600)
-    passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
-    assert result.returncode == 0, f"context checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    for name in EXPECTED:
-        assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n{result.stdout}"
+    assert_passed(run_checks(), EXPECTED)
+
+
+@pytest.mark.slow
+def test_pallas_kernels_across_the_split_equal_one_device():
+    assert_passed(run_checks("pallas"), EXPECTED_KERNELS)
 
 
 @pytest.mark.slow
 def test_context_split_shrinks_per_device_flops_and_memory():
     """tiny.yaml's training step at 16K tokens compiled for context 4 and for one device (never run)."""
-    result = subprocess.run([sys.executable, str(CHECKS), "scaling"], capture_output=True, text=True,
-                            env=subprocess_env(), cwd=CHECKS.parents[2], timeout=600)
-    assert result.returncode == 0, f"scaling check failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    assert "PASS context=4 at 16384 tokens" in result.stdout, result.stdout
+    assert_passed(run_checks("scaling"), ["context=4 at 16384 tokens"])

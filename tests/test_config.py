@@ -139,3 +139,20 @@ def test_the_rl_section_is_parsed_when_the_file_is_loaded(tmp_path):
         load_experiment(path, ["rl.eps_high=null"])
     with pytest.raises(ConfigError, match=r"rl=None is invalid: train.mode=rl needs an rl: section"):
         load_experiment(path, ["rl={}"])
+
+
+def test_every_glm5_pod_recipe_loads_and_its_mesh_fills_its_pod():
+    """configs/glm5_744b_<pod>[_<length>].yaml: valid, and the mesh uses exactly the pod's chips."""
+    from glm5_jax.config.experiment import load_experiment
+    from glm5_jax.parallel.topology import get_topology
+
+    recipes = sorted(Path("configs").glob("glm5_744b_*.yaml"))
+    assert {"glm5_744b_v5p-512_128k.yaml", "glm5_744b_v5p-512_200k.yaml", "glm5_744b_v6e-256.yaml"} <= {
+        path.name for path in recipes}
+    for path in recipes:
+        cfg = load_experiment(path)
+        pod = path.stem.split("_")[2]
+        mesh = cfg.mesh.resolve(get_topology(pod).num_chips)
+        assert mesh.num_devices == get_topology(pod).num_chips, (path.name, mesh)
+        if path.stem.endswith(("_128k", "_200k")):
+            assert mesh.context > 1 and cfg.train.seq_len >= 131072 and cfg.train.mode == "sft", path.name

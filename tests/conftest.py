@@ -10,6 +10,7 @@ run in this checkout. The settings travel through the environment, so subprocess
 import importlib.metadata
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # test helpers (hf_reference.py, xla_env.py) live beside this file
 
-from xla_env import configure_test_environment  # noqa: E402
+from xla_env import configure_test_environment, prune_compile_cache  # noqa: E402
 
 # Before jax is imported: jax reads JAX_* and XLA reads XLA_FLAGS when they are first used.
 configure_test_environment()
@@ -104,7 +105,10 @@ def _version(package: str) -> tuple[int, ...]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse, in the controller where the message shows, the versions known to ignore the groups."""
+    """Bound the compilation cache's size, once per run, in the controller before any worker starts; and refuse
+    there, where the message shows, the versions known to ignore the groups."""
+    if not hasattr(config, "workerinput"):  # xdist workers have it
+        prune_compile_cache(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
     if (config.getoption("numprocesses", None) and config.getoption("dist", "no") == "loadgroup"
             and _version("pytest") >= BROKEN_GROUPING["pytest"]
             and _version("pytest-xdist") <= BROKEN_GROUPING["pytest-xdist"]):

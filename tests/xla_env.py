@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Ignored by git; kept between runs so a second run of the suite in this checkout loads what the first compiled.
 # A clean clone (CI) starts empty and still shares compiles between the tests of one run.
 DEFAULT_CACHE_DIR = REPO / ".cache" / "jax_tests"
-CACHE_MAX_BYTES = 2 * 2**30  # least recently used entries are evicted above this
+CACHE_MAX_BYTES = 2 * 2**30  # the oldest entries are removed above this, once per test run (prune_compile_cache)
+CACHE_SUFFIX, ACCESS_TIME_SUFFIX = "-cache", "-atime"  # jax's names for an entry and its last-use stamp
 
 # Always understood by XLA:CPU: skip LLVM's optimisation passes.
 BASE_FLAGS = ("--xla_backend_optimization_level=0",)
@@ -49,13 +50,33 @@ def configure_test_environment() -> None:
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Every compile is cached: the small ones add up over a few hundred tests.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(CACHE_MAX_BYTES))
+    # No size limit inside jax: with one, every write locks the directory and reads every entry's size and
+    # last-use stamp to pick what to evict (0.2 s per write at 3,600 entries, a few thousand writes per run:
+    # tests/model/test_model.py took 2.5x the CPU time). prune_compile_cache bounds the size once per run.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
     flags = os.environ.get("XLA_FLAGS", "").split()
     present = {_flag_name(f) for f in flags}
     for flag in BASE_FLAGS + OPTIONAL_FLAGS:
         if _flag_name(flag) not in present and (flag in BASE_FLAGS or _supported(flag, cache_dir)):
             flags.append(flag)
     os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def prune_compile_cache(cache_dir: Path, max_bytes: int = CACHE_MAX_BYTES) -> list[Path]:
+    """Remove the oldest-written entries of the compilation cache until it holds at most `max_bytes`; returns the
+    removed entries. Run once per test run, before any test process writes to the cache."""
+    stats = sorted(((path.stat(), path) for path in cache_dir.glob(f"*{CACHE_SUFFIX}")),
+                   key=lambda entry: entry[0].st_mtime, reverse=True)
+    kept_bytes, full, removed = 0, False, []
+    for stat, path in stats:  # newest first
+        full = full or kept_bytes + stat.st_size > max_bytes
+        if not full:
+            kept_bytes += stat.st_size
+        else:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name.removesuffix(CACHE_SUFFIX) + ACCESS_TIME_SUFFIX).unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:

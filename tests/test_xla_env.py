@@ -1,0 +1,40 @@
+"""The test environment's compilation cache: jax writes without a size limit (a limit makes every write scan the
+whole directory), and one prune per run keeps the newest entries within the byte budget."""
+
+import os
+
+from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, prune_compile_cache
+
+
+def _entry(directory, name: str, size: int, written: int):
+    path = directory / f"{name}{CACHE_SUFFIX}"
+    path.write_bytes(b"x" * size)
+    (directory / f"{name}{ACCESS_TIME_SUFFIX}").write_bytes(b"stamp")
+    os.utime(path, (written, written))
+    return path
+
+
+def test_prune_keeps_the_newest_entries_that_fit_and_removes_the_older_ones_with_their_stamps(tmp_path):
+    newest, middle, older, oldest = (_entry(tmp_path, name, size, written) for name, size, written in
+                                     (("newest", 40, 4000), ("middle", 50, 3000), ("older", 30, 2000),
+                                      ("oldest", 5, 1000)))
+    other = tmp_path / "xla_flag_probe-0.10.2-xla_cpu_use_fusion_emitters"
+    other.write_text("supported\n")
+
+    removed = prune_compile_cache(tmp_path, max_bytes=100)
+
+    # 40 + 50 fit; the older entry would pass 100 bytes, and everything written before it goes too, even what
+    # would still fit, so that what stays is always the most recent part of the cache.
+    assert sorted(removed) == sorted([older, oldest])
+    assert newest.exists() and middle.exists() and not older.exists() and not oldest.exists()
+    assert not (tmp_path / f"older{ACCESS_TIME_SUFFIX}").exists()
+    assert (tmp_path / f"newest{ACCESS_TIME_SUFFIX}").exists() and other.exists()
+    assert prune_compile_cache(tmp_path, max_bytes=100) == []
+
+
+def test_jax_is_given_no_cache_size_limit():
+    # Set in this process by tests/conftest.py before jax was imported; every subprocess inherits it.
+    import jax
+
+    assert os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] == "-1"
+    assert jax.config.jax_compilation_cache_max_size == -1

@@ -1,6 +1,7 @@
 """The JAX/XLA environment of the test process and of every subprocess a test starts: CPU only, fast compiles,
 one persistent compilation cache. Everything is set through environment variables, before jax is imported,
-so subprocesses inherit it (they add only what differs, e.g. a fake device count)."""
+so subprocesses inherit it (they add only what differs, e.g. a fake device count). `run_pass_checks` runs a
+check script in such a subprocess and requires its PASS lines."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,3 +90,16 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
                  if _flag_name(f) != "--xla_force_host_platform_device_count"]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     return env
+
+
+def run_pass_checks(script: Path, *args: str, expected: Sequence[str], timeout: int = 600) -> str:
+    """Run a check script in a subprocess of this checkout (`subprocess_env()`, from the repository root) and
+    require that it exits 0 and prints a "PASS <name>..." line for every name in `expected`. Returns its stdout."""
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                            env=subprocess_env(), cwd=REPO, timeout=timeout)
+    label = " ".join([script.name, *args])
+    assert result.returncode == 0, f"{label} failed:\n{result.stdout}\n{result.stderr[-4000:]}"
+    passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
+    for name in expected:
+        assert any(line.startswith(name) for line in passed), f"{label}: no PASS for {name!r}:\n{result.stdout}"
+    return result.stdout

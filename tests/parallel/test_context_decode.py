@@ -4,12 +4,10 @@ gathers no cache slots, and MTP speculative decoding gives one device's tokens. 
 subprocess runs tests/parallel/_context_decode_checks.py (the device-count flag must be set before jax is
 imported; the rest of the suite keeps one device)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from xla_env import subprocess_env
+from xla_env import run_pass_checks
 
 CHECKS = Path(__file__).with_name("_context_decode_checks.py")
 # The child's MESHES (its module sets the device-count flag on import, so it is not imported here).
@@ -18,11 +16,6 @@ MESHES = ("{'context': 2}", "{'context': 8}", "{'fsdp': 2, 'context': 4}")
 
 @pytest.mark.slow
 def test_context_split_generation_equals_one_device():
-    result = subprocess.run([sys.executable, str(CHECKS)], capture_output=True, text=True, env=subprocess_env(),
-                            cwd=CHECKS.parents[2], timeout=600)
-    assert result.returncode == 0, f"context decode checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
     expected = [f"{check} on {sizes}" for sizes in MESHES for check in ("greedy generation", "cache split")]
     expected += ["decode collectives on {'context': 8}", "speculative generation on {'fsdp': 2, 'context': 4}"]
-    for name in expected:
-        assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n{result.stdout}"
+    run_pass_checks(CHECKS, expected=expected)

@@ -3,12 +3,10 @@ and the indexer's top-k, on sequences split over `context` (alone, with `fsdp`, 
 and the Pallas kernels) equal one device's. One subprocess runs tests/parallel/_context_checks.py (the device-count flag must be set before jax
 is imported; the rest of the suite keeps one device)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from xla_env import subprocess_env
+from xla_env import run_pass_checks
 
 CHECKS = Path(__file__).with_name("_context_checks.py")
 # The checks that must report PASS (the child's MESHES and TOPK_MESHES: its module sets the device-count flag
@@ -25,30 +23,17 @@ EXPECTED = [
 EXPECTED_KERNELS = ["dsa_sparse (pallas) on {'context': 2}", "dsa_warmup (pallas) on {'context': 2, 'fsdp': 2}"]
 
 
-def run_checks(*modes: str) -> list[str]:
-    """The PASS lines of one child run of the checks (all but scaling and pallas when no mode is given)."""
-    result = subprocess.run([sys.executable, str(CHECKS), *modes], capture_output=True, text=True,
-                            env=subprocess_env(), cwd=CHECKS.parents[2], timeout=600)
-    assert result.returncode == 0, f"context checks failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    return [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
-
-
-def assert_passed(passed: list[str], expected: list[str]) -> None:
-    for name in expected:
-        assert any(line.startswith(name) for line in passed), f"no PASS for {name!r}:\n" + "\n".join(passed)
-
-
 @pytest.mark.slow
 def test_context_parallel_equals_one_device():
-    assert_passed(run_checks(), EXPECTED)
+    run_pass_checks(CHECKS, expected=EXPECTED)
 
 
 @pytest.mark.slow
 def test_pallas_kernels_across_the_split_equal_one_device():
-    assert_passed(run_checks("pallas"), EXPECTED_KERNELS)
+    run_pass_checks(CHECKS, "pallas", expected=EXPECTED_KERNELS)
 
 
 @pytest.mark.slow
 def test_context_split_shrinks_per_device_flops_and_memory():
     """tiny.yaml's training step at 16K tokens compiled for context 4 and for one device (never run)."""
-    assert_passed(run_checks("scaling"), ["context=4 at 16384 tokens"])
+    run_pass_checks(CHECKS, "scaling", expected=["context=4 at 16384 tokens"])

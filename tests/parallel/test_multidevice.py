@@ -2,12 +2,10 @@
 on 8 fake CPU devices. Each group runs tests/parallel/_multidevice_checks.py in a subprocess, because the
 device-count flag must be set before jax is imported and the rest of the suite keeps one device."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from xla_env import subprocess_env
+from xla_env import run_pass_checks
 
 CHECKS = Path(__file__).with_name("_multidevice_checks.py")
 
@@ -47,10 +45,4 @@ EXPECTED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("group", list(EXPECTED))
 def test_multidevice(group):
-    result = subprocess.run([sys.executable, str(CHECKS), *group.split()], capture_output=True, text=True,
-                            env=subprocess_env(),
-                            cwd=CHECKS.parents[2], timeout=600)
-    passed = [line[len("PASS "):] for line in result.stdout.splitlines() if line.startswith("PASS ")]
-    assert result.returncode == 0, f"{group} failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    for name in EXPECTED[group]:
-        assert any(line.startswith(name) for line in passed), f"{group}: no PASS for {name!r}:\n{result.stdout}"
+    run_pass_checks(CHECKS, *group.split(), expected=EXPECTED[group])

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from pallas_kernels._common import NEG_INF, pad_axis
 from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
 from pallas_kernels.reference import indexer_scores_reference, topk_from_scores
 
@@ -36,22 +38,58 @@ def _causal_bands(n_chunks: int) -> int:
     return max(b for b in range(1, min(n_chunks, MAX_CAUSAL_BANDS) + 1) if n_chunks % b == 0)
 
 
+def running_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array, key_block: int) -> jax.Array:
+    """`topk_from_scores` of all T keys, scoring `key_block` keys at a time: each block's scores are merged into
+    a running (scores, indices) top-k, so only a [B, S, key_block] score block exists at a time.
+
+    Equal to one top-k over every key, ties included: the running entries come first in each merge and hold
+    lower key indices than the block's, so `lax.top_k` (lowest position first among equal scores) still takes
+    the lowest key index. Slots still on their initial NEG_INF entries, or on invisible keys, become -1."""
+    b, s = q.shape[:2]
+    t = k.shape[1]
+    n_blocks = -(-t // key_block)
+    keys = pad_axis(k, 1, n_blocks * key_block)  # padding keys sit past every query: invisible
+    segments = pad_axis(k_segment_ids, 1, n_blocks * key_block)
+    width = min(topk, t)
+
+    def merge(running, block):
+        values, indices = running
+        start = block * key_block
+        scores = index_scores(q, lax.dynamic_slice_in_dim(keys, start, key_block, axis=1), weights, q_segment_ids,
+                              lax.dynamic_slice_in_dim(segments, start, key_block, axis=1), q_offset - start)
+        block_indices = jnp.broadcast_to(start + jnp.arange(key_block, dtype=jnp.int32), scores.shape)
+        values, order = lax.top_k(jnp.concatenate([values, scores], axis=-1), width)
+        indices = jnp.take_along_axis(jnp.concatenate([indices, block_indices], axis=-1), order, axis=-1)
+        return (values, indices), None
+
+    init = (jnp.full((b, s, width), NEG_INF, jnp.float32), jnp.full((b, s, width), -1, jnp.int32))
+    (values, indices), _ = lax.scan(merge, init, jnp.arange(n_blocks))
+    return jnp.where(values > NEG_INF / 2, indices, -1)
+
+
+def _chunk_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block):
+    if 0 < key_block < k.shape[1]:
+        return running_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block)
+    return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+
+
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
-                query_chunk: int = 0) -> jax.Array:
+                query_chunk: int = 0, key_block: int = 0) -> jax.Array:
     """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
     exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
-    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work."""
+    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work. With
+    `key_block` > 0 keys are scored in blocks too, merged into a running top-k (`running_topk`)."""
     n_chunks = num_query_chunks(q.shape[1], query_chunk)
     if n_chunks == 1:
-        return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+        return _chunk_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block)
     chunk_len = q.shape[1] // n_chunks
     width = min(topk, k.shape[1])
 
     def blocks_over(keys, key_segments, q_, w_, seg_, first):
         def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
-            picked = topk_from_scores(index_scores(q_c, keys, w_c, seg_c, key_segments, q_offset + rows_c[0, 0]),
-                                      topk)
+            picked = _chunk_topk(q_c, keys, w_c, seg_c, key_segments, topk, q_offset + rows_c[0, 0], key_block)
             return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
 
         rows = first + jnp.arange(q_.shape[1])[None]

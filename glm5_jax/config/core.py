@@ -120,6 +120,10 @@ class ModelConfig:
     # Query rows processed at once by the indexer and the sparse attention (bounds the [chunk, T] index scores
     # and the gathered [chunk, N, C+R] latent rows); 0 = all at once.
     index_query_chunk: int = 0
+    # Keys scored at once by the jnp indexer top-k, whose selection is merged block by block into a running
+    # top-k (equal to one top-k over all keys): bounds the score block to [chunk, key block] at long contexts;
+    # 0 = every key at once.
+    index_key_block: int = 0
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -164,7 +168,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 _fail(name, value, "must be a positive integer")
         for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_num_steps",
-                     "index_query_chunk"):
+                     "index_query_chunk", "index_key_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 _fail(name, value, "must be a non-negative integer")

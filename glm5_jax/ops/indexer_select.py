@@ -35,7 +35,8 @@ def indexer_topk(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids:
     else:
         def select(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return select_topk(q, keys, weights, q_segment_ids, k_segment_ids, config.index_topk,
-                               q_offset=q_offset, query_chunk=config.index_query_chunk)
+                               q_offset=q_offset, query_chunk=config.index_query_chunk,
+                               key_block=config.index_key_block)
     return context_local(select, mesh, (q, weights, segment_ids), (keys, segment_ids), local_rows=True)
 
 

@@ -212,7 +212,7 @@ def test_topk_tie_break_takes_the_lowest_index_first():
 
 
 # Jitted as the model runs it: one program per call, where op by op every band's `lax.map` compiles on its own.
-select_topk = jax.jit(indexer.select_topk, static_argnames=("topk", "q_offset", "query_chunk"))
+select_topk = jax.jit(indexer.select_topk, static_argnames=("topk", "q_offset", "query_chunk", "key_block"))
 
 
 @pytest.mark.parametrize("seq, query_chunk, topk", [(16, 4, 5), (48, 4, 7), (48, 6, 9), (40, 4, 40)])
@@ -232,6 +232,25 @@ def test_query_chunked_indexer_matches_unchunked(seq, query_chunk, topk):
     offset = select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg, topk, seq // 2,
                          query_chunk=query_chunk)
     np.testing.assert_array_equal(full[:, seq // 2:], offset)
+
+
+@pytest.mark.parametrize("key_block, query_chunk, topk", [(5, 0, 9), (16, 6, 9), (7, 4, 40)])
+def test_running_topk_over_key_blocks_equals_one_topk_over_all_keys(key_block, query_chunk, topk):
+    """Keys scored `key_block` at a time (not dividing T = 48) and merged into a running top-k select exactly
+    what one top-k over every key does: ties at the ReLU's exact zeros (about 1 key in 16 here) by lowest index,
+    packed segments, slots past the visible keys -1 (topk 40), with a static or a traced query offset."""
+    seq = 48
+    q = jax.random.normal(jax.random.key(10), (2, seq, 4, 8))
+    k = jax.random.normal(jax.random.key(11), (2, seq, 8))
+    w = jax.random.normal(jax.random.key(12), (2, seq, 4))
+    seg = jnp.stack([jnp.ones(seq, jnp.int32), jnp.repeat(jnp.arange(4), seq // 4)])
+    full = select_topk(q, k, w, seg, seg, topk)
+    assert (indexer.index_scores(q, k, w, seg, seg) == 0).sum() > 50  # ties the merge must break like top_k
+    blocked = select_topk(q, k, w, seg, seg, topk, query_chunk=query_chunk, key_block=key_block)
+    np.testing.assert_array_equal(blocked, full)
+    traced = jax.jit(lambda offset: indexer.select_topk(q[:, seq // 2:], k, w[:, seq // 2:], seg[:, seq // 2:], seg,
+                                                        topk, offset, key_block=key_block))(jnp.int32(seq // 2))
+    np.testing.assert_array_equal(traced, full[:, seq // 2:])
 
 
 @pytest.mark.parametrize("bad, message", [

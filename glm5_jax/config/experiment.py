@@ -86,16 +86,16 @@ def validate_mesh_fit(cfg: "ExperimentConfig") -> None:
 
 
 def validate_context_split(context: int, seq_len: int, query_chunk: int = 0) -> None:
-    """`mesh.context` splits each sequence into equal shares, two per chip (room for the load-balanced causal
-    order); each chip's queries run in blocks of `index_query_chunk`."""
+    """`mesh.context` splits each sequence into 2 x context equal chunks, two per chip in the load-balanced
+    causal order; each chunk's queries run in blocks of `index_query_chunk`."""
     if seq_len % (2 * context):
         _fail("mesh.context", context, f"must split train.seq_len={seq_len} into 2 x {context} equal chunks: make "
               f"the sequence length a multiple of {2 * context}")
-    local = seq_len // context
+    local = seq_len // (2 * context) if context > 1 else seq_len
     if 0 < query_chunk < local and local % query_chunk:
-        # The blocks would silently fall back to one block of the chip's every query, with its memory.
-        _fail("model.index_query_chunk", query_chunk, f"must divide each chip's {local} queries (train.seq_len="
-              f"{seq_len} / mesh.context={context}), or be 0 or >= it")
+        # The blocks would silently fall back to one block of the chunk's every query, with its memory.
+        _fail("model.index_query_chunk", query_chunk, f"must divide the {local} queries of each of a chip's two "
+              f"chunks (train.seq_len={seq_len} / (2 x mesh.context={context})), or be 0 or >= it")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "data": DataConfig,

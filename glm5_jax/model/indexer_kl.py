@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.distributed.context_local import context_local
+from glm5_jax.distributed.context_order import to_balanced, to_natural
 from glm5_jax.model.attention import MLA, Projection
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
@@ -58,7 +59,9 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
     q_i, w_i, k_i = indexer(jax.lax.stop_gradient(h), jax.lax.stop_gradient(proj.q_resid), ctx.cos, ctx.sin)
     segment_ids = ctx.segment_ids
     if mode == "dense_warmup":
-        visible = visible_keys(segment_ids, segment_ids)
+        # Keys by natural position, queries in the layers' order (load-balanced under a context split).
+        natural_segments = to_natural(segment_ids, mesh)
+        visible = to_balanced(visible_keys(natural_segments, natural_segments), mesh)
         out, p = attn.attend_dense_with_target(proj, visible, segment_ids, mesh)
         p = jax.lax.stop_gradient(p)  # rows sum to 1 over the visible keys
         scores = indexer_scores(q_i, k_i, w_i, segment_ids, config=config, mesh=mesh)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.distributed.context_order import to_balanced
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.decoder import DecoderLayer, LayerOutput
 from glm5_jax.model.kv_cache import LayerCache
@@ -34,15 +35,19 @@ class MTP(nnx.Module):
         self.layer = DecoderLayer(config, rngs, dtype, moe=True, with_indexer=True)
         self.shared_head_norm = Scale(d, dtype)
 
-    def __call__(self, embed: Embed, h0: jax.Array, tokens: jax.Array, ctx: LayerContext, num_steps: int,
-                 mesh=None, indexer_mode: str | None = None) -> tuple[jax.Array, dict]:
+    def __call__(self, embed: Embed, h0: jax.Array, tokens: jax.Array, segment_ids: jax.Array, ctx: LayerContext,
+                 num_steps: int, mesh=None, indexer_mode: str | None = None,
+                 balanced: bool = False) -> tuple[jax.Array, dict]:
         """Returns the normed MTP hidden states [num_steps, B, S, D] and the MTP layer's aux per step (`embed`:
         the main model's embedding). The depth loop is a `lax.scan`, so the shared module is compiled once
-        whatever the depth."""
+        whatever the depth. `tokens` and `segment_ids` are in the natural order; h0 and ctx in the layers' order,
+        the load-balanced one under a context split (`balanced`), where the shifted tokens move to it."""
         config = self.config
 
         def depth_step(h_prev, k):
-            shifted, valid = shift_within_segment(tokens, ctx.segment_ids, k)
+            shifted, valid = shift_within_segment(tokens, segment_ids, k)
+            if balanced:
+                shifted, valid = to_balanced(shifted, mesh), to_balanced(valid, mesh)
             step_ctx = ctx._replace(token_mask=ctx.token_mask & valid)
             h, normed, out = self.step(embed, shifted, h_prev, step_ctx, indexer_mode=indexer_mode, mesh=mesh)
             return h, (normed, out.aux)

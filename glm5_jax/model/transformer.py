@@ -16,6 +16,8 @@ import numpy as np
 from flax import nnx
 
 from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.distributed.batch_local import context_split
+from glm5_jax.distributed.context_order import to_balanced, to_natural
 from glm5_jax.distributed.logical_axes import constrain
 from glm5_jax.model.context import LayerContext, layer_context
 from glm5_jax.model.decoder import DecoderLayer
@@ -105,6 +107,14 @@ class GLM5(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None:
             segment_ids = jnp.ones((b, s), jnp.int32)
+        # Under a context split the layers run in the load-balanced order (training and scoring; a cache keeps
+        # the natural order): inputs move into it here and per-token outputs move back below.
+        balance = cache is None and context_split(mesh) > 1
+        natural_tokens, natural_segments = tokens, segment_ids
+        if balance:
+            tokens, positions, segment_ids = (to_balanced(x, mesh) for x in (tokens, positions, segment_ids))
+            expert_choices, topk_indices = (None if x is None else to_balanced(x, mesh, axis=2)
+                                            for x in (expert_choices, topk_indices))
         ctx = layer_context(positions, segment_ids, config)
 
         x = self.embed(tokens, dtype_of(config.compute_dtype), mesh)
@@ -136,9 +146,16 @@ class GLM5(nnx.Module):
         steps = config.mtp_num_steps if mtp_steps is None else mtp_steps
         mtp_hidden = mtp_logits = None
         if steps and hasattr(self, "mtp"):
-            mtp_hidden, aux["mtp"] = self.mtp(self.embed, hidden, tokens, ctx, steps, mesh, indexer_mode)
+            mtp_hidden, aux["mtp"] = self.mtp(self.embed, hidden, natural_tokens, natural_segments, ctx, steps, mesh,
+                                              indexer_mode, balanced=balance)
             if not collect_routing:
                 aux["mtp"].pop("expert_ids", None)
+        if balance:
+            hidden = to_natural(hidden, mesh)
+            mtp_hidden = None if mtp_hidden is None else to_natural(mtp_hidden, mesh, axis=2)
+            for key, records in (("topk", aux), ("expert_ids", aux), ("expert_ids", aux.get("mtp", {}))):
+                if key in records:  # recorded routing [layers or depths, B, S, ...]
+                    records[key] = to_natural(records[key], mesh, axis=2)
         logits = None
         if return_logits:
             logits = self.logits(hidden)

@@ -43,10 +43,10 @@ def test_context_split_refusals_name_the_field():
     # The Pallas kernels run across the split (each chip's queries with their global offset).
     assert load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=2", "train.seq_len=64",
                                                  "model.attention_backend=pallas"]).mesh.context == 2
-    # 64 divides the sequence (384) but not a chip's 96 queries
-    with pytest.raises(ConfigError, match=r"model.index_query_chunk=64 is invalid: must divide each chip's 96 "):
+    # 32 divides the sequence (384) but not the 48 queries of a chip's chunk (two chunks per chip)
+    with pytest.raises(ConfigError, match=r"model.index_query_chunk=32 is invalid: must divide the 48 queries "):
         load_experiment("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=4", "train.seq_len=384",
-                                              "model.index_query_chunk=64"])
+                                              "model.index_query_chunk=32"])
     with pytest.raises(PlanError, match=r"mesh.context=4 is invalid: must split seq=36"):
         plan(TINY, MeshConfig(context=4), PlanSettings(batch=1, seq=36))
 

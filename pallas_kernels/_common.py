@@ -164,9 +164,15 @@ def check_segments(q_segment_ids, k_segment_ids, batch: int, q_len: int, k_len: 
     check_equal("k_segment_ids.shape", tuple(k_segment_ids.shape), (batch, k_len), "[B, T]")
 
 
-def static_q_offset(q_offset) -> int | None:
-    """q_offset as a Python int, None when it is an array (a traced decode position)."""
-    return q_offset if isinstance(q_offset, int) else None
+def static_q_offset(q_offset, cost_q_offset: int | None = None) -> int | None:
+    """q_offset as a Python int for the declared cost; when it is an array (traced), `cost_q_offset` (the offset
+    the caller's cost stands for, e.g. the mean of a chip's two chunks in the balanced order) or None (every
+    key tile counted)."""
+    if isinstance(q_offset, int):
+        return q_offset
+    if cost_q_offset is not None and (not isinstance(cost_q_offset, int) or cost_q_offset < 0):
+        raise ValueError(f"cost_q_offset must be None or a non-negative int; got {cost_q_offset!r}")
+    return cost_q_offset
 
 
 def positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch: int, q_len: int, k_len: int):

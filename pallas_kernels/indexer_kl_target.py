@@ -199,7 +199,7 @@ def _dense_target_kernel(q_c_ref, q_r_ref, q_pos_ref, q_seg_ref, k_c_ref, k_r_re
 
 
 def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                           block_s=None, block_t=64, interpret=None, platform=None):
+                           block_s=None, block_t=64, interpret=None, platform=None, cost_q_offset=None):
     """Head-summed dense attention probabilities over all visible keys, L1-normalised; fp32 [B, S, T].
 
     q [B, S, H, C+R], latent [B, T, C+R]; key t is visible to query s iff t <= q_offset + s and (segment
@@ -207,6 +207,7 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     H, at least 1); block_t: keys per step (power of two >= 16). A query without visible keys gets 0.
     platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_indexer.py`: a (B, S/block_s, T/block_t) grid, block_s
     rounded up to a multiple of 8 and block_t to 128, default block_s 256 // H) or None (TPU on a TPU backend).
+    cost_q_offset: for a traced q_offset, the static offset the declared cost assumes (None: every key tile).
     """
     check_rank("q", q, 4, "[B, S, H, C+R]")
     check_rank("latent", latent, 3, "[B, T, C+R]")
@@ -228,7 +229,8 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     if resolve_platform(platform) == "tpu":
         return tpu_dense_target(q, latent, q_pos, q_seg, k_seg, scale=float(scale), block_s=block_s,
-                                block_t=block_t, interpret=interpret, first_position=static_q_offset(q_offset))
+                                block_t=block_t, interpret=interpret,
+                                first_position=static_q_offset(q_offset, cost_q_offset))
     layout = MlaLayout(heads=heads, latent_dim=_split_point(width), rope_dim=width - _split_point(width),
                        num_slots=1, block_n=MIN_BLOCK)
     heads_p = layout.heads_padded
@@ -263,7 +265,8 @@ def dense_attention_target(q, latent, *, scale, q_segment_ids=None, k_segment_id
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )
     # Both passes visit the key blocks up to each query block's last position (all of them for a traced q_offset).
-    tiles = causal_tiles((static_q_offset(q_offset), q_len, 1), len_p, block_s, block_t, num_blocks)
+    tiles = causal_tiles((static_q_offset(q_offset, cost_q_offset), q_len, 1), len_p, block_s, block_t,
+                         num_blocks)
     cost = dense_target_cost(batch, tiles, rows, block_t, c_dim + r_dim, q.dtype.itemsize, passes=2,
                              query_bytes=array_bytes(q_c, q_r, q_seg) + batch * array_bytes(q_pos),
                              out_bytes=array_bytes(out_shape))

@@ -218,30 +218,31 @@ def _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
 
 
 def indexer_scores(q_index, k_index, weights, *, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                   block_t=64, bwd_query_chunk=64, interpret=None, platform=None):
+                   block_t=64, bwd_query_chunk=64, interpret=None, platform=None, cost_q_offset=None):
     """Masked fp32 index scores [B, S, T] (the dense warm-up's logits); invisible keys get NEG_INF.
 
     q_index [B, S, I, J] (roped), k_index [B, T, J], weights [B, S, I] (already scaled); segment ids
     [B, S] / [B, T] or both None; q_offset: position of query 0 (int or integer scalar array).
     Differentiable in q_index, k_index and weights; the backward holds a [B, bwd_query_chunk, I, T]
     fp32 block at a time. platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_indexer.py`; block_t is rounded
-    up to a multiple of 128 there) or None (TPU kernels on a TPU backend).
+    up to a multiple of 128 there) or None (TPU kernels on a TPU backend). cost_q_offset: for a traced
+    q_offset, the static offset the declared cost assumes (None: every key tile).
     """
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
     operands = _operands(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset)
-    span = (static_q_offset(q_offset), q_index.shape[1], 1)
+    span = (static_q_offset(q_offset, cost_q_offset), q_index.shape[1], 1)
     return _scores(*operands, block_t, bwd_query_chunk, resolve_interpret(interpret), resolve_platform(platform),
                    span)
 
 
 def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segment_ids=None, q_offset=0,
-                 query_chunk=256, block_t=64, interpret=None, platform=None):
+                 query_chunk=256, block_t=64, interpret=None, platform=None, cost_q_offset=None):
     """Top-k keys per query: (indices int32 [B, S, N], scores fp32 [B, S, N]) with N = min(topk, T).
 
     Indices are ordered by descending score, ties broken like jax.lax.top_k (lowest index first); slots
     on invisible keys hold -1 and score NEG_INF. Scores are differentiable like `indexer_scores`'.
-    Memory: one [B, query_chunk, T] fp32 score block at a time. platform: as in `indexer_scores`.
+    Memory: one [B, query_chunk, T] fp32 score block at a time. platform, cost_q_offset: as in `indexer_scores`.
     """
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("topk", topk)
@@ -264,7 +265,7 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
 
         pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
         scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret, platform,
-                         (static_q_offset(q_offset), q_len, n_chunks))
+                         (static_q_offset(q_offset, cost_q_offset), q_len, n_chunks))
         values, indices = lax.top_k(scores, num_selected)
         picked_seg = jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
         visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)

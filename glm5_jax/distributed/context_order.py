@@ -84,3 +84,11 @@ def gathered_to_natural(x: jax.Array, split: int) -> jax.Array:
     chunks = x.reshape(b, split, 2, s // (2 * split), *x.shape[2:])
     natural = jnp.concatenate([chunks[:, :, 0], chunks[:, ::-1, 1]], axis=1)
     return natural.reshape(x.shape)
+
+
+def declared_offset(q_offset, num_keys: int, chunk_len: int) -> int | None:
+    """The static query offset a kernel's declared cost assumes for a call from `context_local`: None without a
+    split (q_offset is a Python int, which the kernel counts itself); under one, the mean offset of a chip's two
+    chunks, (T - L) / 2, at which a chip's two calls together declare the causal key tiles it visits (the same
+    total on every chip, up to block rounding) instead of every tile twice."""
+    return None if isinstance(q_offset, int) else (num_keys - chunk_len) // 2

@@ -15,6 +15,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.config.mesh import CONTEXT_AXIS
 from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local
+from glm5_jax.distributed.context_order import declared_offset
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import NEG_INF
 from pallas_kernels import indexer_scores as indexer_scores_kernel
@@ -31,7 +32,9 @@ def indexer_topk(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids:
     if uses_kernels(config):
         def select(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return indexer_topk_kernel(q, keys, weights, topk=config.index_topk, q_segment_ids=q_segment_ids,
-                                       k_segment_ids=k_segment_ids, q_offset=q_offset, **config.pallas_options)[0]
+                                       k_segment_ids=k_segment_ids, q_offset=q_offset,
+                                       cost_q_offset=declared_offset(q_offset, keys.shape[1], q.shape[1]),
+                                       **config.pallas_options)[0]
     else:
         def select(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return select_topk(q, keys, weights, q_segment_ids, k_segment_ids, config.index_topk,
@@ -47,7 +50,9 @@ def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_id
     if uses_kernels(config):
         def scores(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return indexer_scores_kernel(q, keys, weights, q_segment_ids=q_segment_ids,
-                                         k_segment_ids=k_segment_ids, q_offset=q_offset, **config.pallas_options)
+                                         k_segment_ids=k_segment_ids, q_offset=q_offset,
+                                         cost_q_offset=declared_offset(q_offset, keys.shape[1], q.shape[1]),
+                                         **config.pallas_options)
     else:
         def scores(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return index_scores(q, keys, weights, q_segment_ids, k_segment_ids, q_offset)

@@ -20,6 +20,7 @@ from glm5_jax.config.mesh import CONTEXT_AXIS
 from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
+from glm5_jax.distributed.context_order import declared_offset
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
 from pallas_kernels.sparse_latent import sparse_latent_attention
@@ -111,7 +112,9 @@ def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Arra
         latent, _ = _kernel_attention(q, rows, every_visible, config)
         target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows),
                                         scale=config.softmax_scale, q_segment_ids=q_segment_ids,
-                                        k_segment_ids=k_segment_ids, q_offset=q_offset, **config.pallas_options)
+                                        k_segment_ids=k_segment_ids, q_offset=q_offset,
+                                        cost_q_offset=declared_offset(q_offset, rows.shape[1], q.shape[1]),
+                                        **config.pallas_options)
         return latent, target
 
     return context_local(kernels, mesh, (q, visible, segment_ids), (rows, segment_ids), local_rows=True)

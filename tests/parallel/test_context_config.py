@@ -13,9 +13,11 @@ from glm5_jax.config import ConfigError, load_model_config
 from glm5_jax.config.experiment import load_experiment
 from glm5_jax.config.mesh import MeshConfig, MeshConfigError, mesh_values
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
+from glm5_jax.distributed.context_order import balanced_chunks, declared_offset
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.parallel.plan import PlanError, PlanSettings, plan
+from pallas_kernels.dsa_cost import causal_tiles
 
 TINY = load_model_config("configs/tiny.yaml", ["moe_backend=ep"])
 
@@ -82,3 +84,21 @@ def test_plan_splits_activations_and_counts_key_all_gathers():
     # forward + backward (no remat in tiny.yaml): each chip sends its 64 tokens' keys to the 3 others
     assert comm["context_all_gather"] == layers * 2 * 3 * 64 * key_width * 4
     assert comm["data_all_reduce"] > 0 == whole["communication_bytes"]["data_all_reduce"]
+
+
+@pytest.mark.parametrize("split", [2, 4, 8, 64])
+def test_a_chips_two_chunks_declare_the_causal_tiles_they_visit(split):
+    """Under a split the kernels see a traced query offset; each of a chip's two calls declares its cost at the
+    mean offset of the chip's chunks (`declared_offset`), so the pair declares exactly the key tiles the two chunks
+    visit (every chip the same), where a traced offset alone would declare every tile for both."""
+    chunk, block_s, block_t = 512, 128, 128
+    keys = 2 * split * chunk
+    key_blocks = keys // block_t
+    mean = declared_offset(jnp.int32(0), keys, chunk)
+    assert declared_offset(0, keys, chunk) is None  # a static offset: the kernels count it themselves
+    for chip in range(split):
+        early, late = balanced_chunks(chip, split)
+        visited = sum(causal_tiles((c * chunk, chunk, 1), chunk, block_s, block_t, key_blocks) for c in (early, late))
+        assert visited == 2 * causal_tiles((mean, chunk, 1), chunk, block_s, block_t, key_blocks)
+    every_tile = causal_tiles((None, chunk, 1), chunk, block_s, block_t, key_blocks)
+    assert visited <= (0.5 + 1 / split) * 2 * every_tile  # about half of what a traced offset declares

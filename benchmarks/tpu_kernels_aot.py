@@ -2,21 +2,26 @@
 each chip by XLA's TPU compiler and libtpu's Mosaic compiler (libtpu describes the chips; see
 glm5_jax/parallel/topology.py), and the compiled module reports its memory and cost.
 
-    python benchmarks/tpu_kernels_aot.py [--chips v5p v6e] [--seq 4096] [--long 65536]
+    python benchmarks/tpu_kernels_aot.py [--chips v5p v6e] [--seq 4096] [--long 16384 65536 131072 202752]
 
 Per kernel and chip (GLM-5 shapes: H 64, C 512, R 64, N 2048, indexer 32 x 128; bf16; B 1, S = T = --seq):
   - VMEM: the largest scoped VMEM libtpu allotted to one Mosaic kernel of the module (its pipeline buffers
     and scratch); HBM: arguments + outputs, and XLA's temporaries, of the module at full size.
-  - FLOPs and bytes: XLA's cost analysis. XLA cannot look into a Mosaic kernel, so for the kernels it uses
-    the `pl.CostEstimate` each pallas_call declares (every grid tile, causal skipping not counted); XLA's own
-    ops (padding, top-k, the d(latent) scatter, the indexer's jnp backward) it counts itself. XLA counts the
-    body of a while loop once, whatever its trip count, so the cost is taken from a module of one query chunk
-    (CHUNK queries against all T keys: every loop runs once) and scaled by S / CHUNK.
+  - FLOPs and bytes: read off the full-size compiled module by `glm5_jax.parallel.hlo_stats` (the counter
+    `glm5 compile` uses): every op counted as many times as its loops run (XLA's own cost analysis visits a
+    loop body once), matmul FLOPs of XLA's dots and the `pl.CostEstimate` each Mosaic kernel declares, and the
+    HBM traffic of every op XLA runs outside a fusion (in-place updates count the update, not the buffer) plus
+    the kernels' declared bytes.
+    Until 2026-12-02 this report took XLA's cost analysis of a module of one 256-query chunk scaled by S / 256,
+    which multiplied every per-call cost that does not grow with the queries (padding the latent, zeroing and
+    casting d(latent), the scatter's whole operand) by S / 256: 1.9 TB for DSA at 64K where this counter finds
+    the figures in BENCHMARKS.md.
   - Roofline: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) on one chip, the time at the chip's peak,
-    with the larger of XLA's and the model FLOPs (XLA misses kernels without a cost estimate, e.g. the flash
-    attention backward; it counts padded and causally skipped tiles the model count leaves out).
+    with the larger of the counted and the model FLOPs (a kernel without a cost estimate, e.g. the flash
+    attention backward, counts no FLOPs; the counted figure includes padded and causally skipped tiles the
+    model count leaves out).
 
-Then the 64K-token comparison (--long): DSA attention for training (indexer top-k + sparse MLA forward and
+Then the long-context comparison (--long, one table per length): DSA attention for training (indexer top-k + sparse MLA forward and
 backward) against the dense attention it replaces, compiled the same way: JAX's Mosaic flash attention
 (jax.experimental.pallas.ops.tpu.flash_attention, causal) forward and backward at GLM-5's expanded heads
 (H 64, qk 192 + 64 = 256, v 256). The dense XLA attention of the model (a materialised [B, H, S, T] matrix,
@@ -43,6 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from glm5_jax.parallel.hlo_stats import hlo_stats  # noqa: E402
 from glm5_jax.parallel.topology import CHIPS, get_topology  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     dense_attention_target,
@@ -54,7 +60,7 @@ from pallas_kernels import (  # noqa: E402
 
 # HBM bandwidth per chip, bytes/s (Cloud TPU documentation); topology.CHIPS has HBM size and peak FLOP/s only.
 HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
-CHUNK = 256  # queries per cost module (the kernels' default backward / top-k query chunk)
+CHUNK = 256  # the kernels' default backward / top-k query chunk: lengths are multiples of it
 H, C, R, N, I, J = 64, 512, 64, 2048, 32, 128
 QK_DENSE, V_DENSE = 192 + 64, 256  # GLM-5's expanded heads: qk_nope + rope, v_head_dim
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -169,17 +175,16 @@ def long_cases(q_len: int, k_len: int) -> dict:
     }
 
 
-def measure(name: str, chip: str, full, chunked, sharding, scale: float) -> Row:
-    """Memory of the full-size module, cost of the one-chunk module times `scale`."""
-    row = Row(name, chip, model_flops=full[2])
+def measure(name: str, chip: str, case, sharding) -> Row:
+    """Memory, matmul FLOPs and HBM bytes of the full-size compiled module (every loop trip counted)."""
+    row = Row(name, chip, model_flops=case[2])
     try:
-        compiled = _compile(full[0], full[1], sharding)
+        compiled = _compile(case[0], case[1], sharding)
         memory = compiled.memory_analysis()
         row.vmem, row.hbm_temp = _vmem(compiled), memory.temp_size_in_bytes
         row.hbm_io = memory.argument_size_in_bytes + memory.output_size_in_bytes
-        cost = (_compile(chunked[0], chunked[1], sharding) if chunked is not None else compiled).cost_analysis()
-        factor = scale if chunked is not None else 1.0
-        row.flops, row.bytes = factor * cost.get("flops", 0.0), factor * cost.get("bytes accessed", 0.0)
+        stats = hlo_stats(compiled.as_text(), 1)
+        row.flops, row.bytes = stats.matmul_flops, stats.hbm_bytes
     except Exception as err:  # a compile failure is a result of this report
         row.error = str(err).splitlines()[0][:160]
     return row
@@ -187,8 +192,8 @@ def measure(name: str, chip: str, full, chunked, sharding, scale: float) -> Row:
 
 def table(rows: list[Row], title: str) -> str:
     lines = [f"### {title}", "",
-             "| kernel | chip | VMEM / kernel (KiB) | HBM args+out (MiB) | HBM temp (MiB) | GFLOP (XLA) | "
-             "GFLOP (model) | GB accessed | roofline (ms) | bound |",
+             "| kernel | chip | VMEM / kernel (KiB) | HBM args+out (MiB) | HBM temp (MiB) | GFLOP (counted) | "
+             "GFLOP (model) | HBM GB | roofline (ms) | bound |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if r.error:
@@ -205,25 +210,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chips", nargs="+", default=["v5p", "v6e"], choices=sorted(HBM_BYTES_PER_S))
     parser.add_argument("--seq", type=int, default=4096, help="S = T of the per-kernel table (>= N = 2048)")
-    parser.add_argument("--long", type=int, default=65536, help="S = T of the DSA vs dense comparison")
+    parser.add_argument("--long", type=int, nargs="*", default=[65536],
+                        help="S = T of the DSA vs dense comparisons (one table each; none to skip)")
     args = parser.parse_args(argv)
-    for name, value in (("--seq", args.seq), ("--long", args.long)):
+    for name, value in [("--seq", args.seq)] + [("--long", n) for n in args.long]:
         if value < N or value % CHUNK:
             parser.error(f"{name} {value} is invalid: must be >= N = {N} and a multiple of {CHUNK}")
     started = time.time()
-    print(f"jax {jax.__version__}, libtpu {_libtpu_version()}, chips {args.chips}; cost modules of {CHUNK} "
-          f"queries scaled to S\n")
-    for title, cases, length in (("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases, args.seq),
-                                 ("DSA vs dense attention, one layer's training step, S = T = %d" % args.long,
-                                  long_cases, args.long)):
+    print(f"jax {jax.__version__}, libtpu {_libtpu_version()}, chips {args.chips}; full-size modules, every loop "
+          f"trip counted\n")
+    sections = [("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases, args.seq)] + [
+        ("DSA vs dense attention, one layer's training step, S = T = %d" % n, long_cases, n) for n in args.long]
+    for title, cases, length in sections:
         rows = []
         for chip in args.chips:
             sharding = NamedSharding(Mesh(get_topology(f"{chip}-8").devices()[:1], ("chip",)), PartitionSpec())
-            full, chunked = cases(length, length), cases(CHUNK, length)
-            for name in full:
-                flash = name.startswith("dense: flash")  # no loops: its own module is exact
-                rows.append(measure(name, chip, full[name], None if flash else chunked[name], sharding,
-                                    length / CHUNK))
+            for name, case in cases(length, length).items():
+                rows.append(measure(name, chip, case, sharding))
                 print(f"  compiled {name} for {chip} ({time.time() - started:.0f} s)", file=sys.stderr)
         print(table(rows, title) + "\n", flush=True)
 

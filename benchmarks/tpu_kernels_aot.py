@@ -14,8 +14,9 @@ Per kernel and chip (GLM-5 shapes: H 64, C 512, R 64, N 2048, indexer 32 x 128; 
     the kernels' declared bytes.
     Until 2026-12-02 this report took XLA's cost analysis of a module of one 256-query chunk scaled by S / 256,
     which multiplied every per-call cost that does not grow with the queries (padding the latent, zeroing and
-    casting d(latent), the scatter's whole operand) by S / 256: 1.9 TB for DSA at 64K where this counter finds
-    the figures in BENCHMARKS.md.
+    casting d(latent)) by S / 256, and took XLA:TPU's estimate of its top-k (11x the scores it reads) where
+    this counter takes one read of the scores and one write of the selection (a lower bound): DSA at 64K on
+    v5p was 1880 GB that way, 1424 GB this way.
   - Roofline: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) on one chip, the time at the chip's peak,
     with the larger of the counted and the model FLOPs (a kernel without a cost estimate, e.g. the flash
     attention backward, counts no FLOPs; the counted figure includes padded and causally skipped tiles the

@@ -10,8 +10,9 @@ are double-buffered: block j+1's DMAs are started before block j is computed.
 TPU layout: the latent row is one lane-padded width W = C+R rounded up to 128 (GLM-5: 576 -> 640), values
 are its first V = min(C rounded up to 128, W) columns, heads are padded to a multiple of 16 (bf16 sublane
 tile); every block's last two dims equal the array's. Per-head vectors (lse, shift) travel as [.., Hp, 1].
-The backward writes each query's head-summed per-slot row gradients straight to HBM, block by block
-(two VMEM buffers), and reuses `sparse_mla.chunked_backward` for the bounded query chunks and the scatter.
+The backward writes each query's head-summed per-slot row gradients (in the latent's dtype) straight to
+HBM, block by block (two VMEM buffers), and reuses `sparse_mla.chunked_backward` for the bounded query chunks
+and the scatter.
 """
 
 from __future__ import annotations
@@ -202,9 +203,9 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     lse = lse_ref[...]  # [Hp, 1]
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
 
-    def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
-        first = pl.multiple_of(j * block_n, block_n)  # tells Mosaic the tiled-dim offset is tile-aligned
-        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(first, block_n)], dk_sem.at[slot])
+    def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM rows [query, slot] of [B, S Np, W]
+        first = pl.multiple_of((query * num_blocks + j) * block_n, block_n)  # a tile-aligned offset, for Mosaic
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, pl.ds(first, block_n)], dk_sem.at[slot])
 
     def body(j, rows, dq):
         slot = lax.rem(j, 2)
@@ -217,9 +218,12 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
         def _():
             dk_copy(j - 2, slot).wait()  # the buffer's previous block has left VMEM
 
-        # Per-slot row gradients, summed over heads: key part over all W columns plus value part.
-        dk_buf[slot] = scale * dot_tn(d_logits, q)
-        dk_buf[slot, :, :values] += dot_tn(p.astype(d_out.dtype), d_out)
+        # Per-slot row gradients, summed over heads: key part over all W columns plus value part, added in
+        # fp32 and rounded once to the buffer's dtype (lane-aligned halves: V is a multiple of 128).
+        dk_key = scale * dot_tn(d_logits, q)  # [block_n, W]
+        dk_buf[slot, :, :values] = (dk_key[:, :values] + dot_tn(p.astype(d_out.dtype), d_out)).astype(dk_buf.dtype)
+        if values < dk_key.shape[1]:
+            dk_buf[slot, :, values:] = dk_key[:, values:].astype(dk_buf.dtype)
         dk_copy(j, slot).start()
         return dq + dot_nn(d_logits, rows)
 
@@ -268,8 +272,10 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
         idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
         dq, dk = _gather_call(
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
-            [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
-            scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+            # dk rows as [B, chunk Np, W], the scatter's shape: XLA then fuses their conversion to fp32 into it.
+            [(q_c.shape, q_c.dtype, False), ((idx.shape[0], idx.shape[1] * idx.shape[2], sizes.width), latent.dtype,
+                                             True)],
+            scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), latent.dtype), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
             flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values))
         return (dq,), (dk,)

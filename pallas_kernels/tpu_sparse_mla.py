@@ -74,9 +74,9 @@ def latent_rows(latent: jax.Array, sizes: TpuSizes) -> jax.Array:
         padded = pad_axis(latent, 2, sizes.width)
         return padded.reshape(*padded.shape[:2], 1, sizes.width)
     words = round_up(sizes.width, 2 * LANES) // 2
-    bits = lax.bitcast_convert_type(pad_axis(latent, 2, 2 * words), jnp.uint16).astype(jnp.uint32)
-    packed = bits[..., :words] | (bits[..., words:] << 16)
-    return packed.reshape(*packed.shape[:2], 1, words)
+    padded = pad_axis(latent, 2, 2 * words)
+    pairs = jnp.stack([padded[..., :words], padded[..., words:]], axis=-1)  # [B, T, P, 2]: low half first
+    return lax.bitcast_convert_type(pairs, jnp.uint32)[:, :, None, :]
 
 
 def unpack_rows(rows: jax.Array, width: int, dtype) -> jax.Array:

@@ -136,8 +136,18 @@ def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
 
 
 def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """acc[b, rows[b, m]] += values[b, m] for every m, duplicates summed; out-of-range rows dropped."""
-    return jax.vmap(lambda a, r, v: a.at[r].add(v, mode="drop"))(acc, rows, values)
+    """acc[b, rows[b, m]] += values[b, m] for every m, duplicates summed in acc's dtype (fp32, whatever the
+    values' dtype); out-of-range rows dropped.
+
+    The rows are sorted here and the values read in that order by the scatter itself: XLA:TPU sorts an
+    unsorted scatter's indices anyway when acc does not fit on chip, but then converts bf16 values to fp32
+    in HBM first; a sorted scatter reads them once, in their own dtype."""
+
+    def one_batch(a, r, v):
+        sorted_rows, order = lax.sort_key_val(r, lax.iota(jnp.int32, r.shape[0]))
+        return a.at[sorted_rows].add(v[order].astype(a.dtype), mode="drop", indices_are_sorted=True)
+
+    return jax.vmap(one_batch)(acc, rows, values)
 
 
 def backward_shift(out, d_out, d_lse):
@@ -151,8 +161,9 @@ def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift
     q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
     [B, S, Np] (-1 = unused); d_out [B, S, Hp, *]; lse, shift fp32 [B, S, Hp]. For one chunk of queries,
     chunk_kernel(q_parts, idx, latent_parts, d_out, lse, shift) returns (dq_parts, dk_parts): dq like
-    q_parts and per-(query, slot) head-summed row gradients dk fp32 [B, chunk, Np, *] like latent_parts.
-    Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
+    q_parts and per-(query, slot) head-summed row gradients dk [B, chunk, Np, *] like latent_parts, in the
+    latent's dtype (each row summed over heads in fp32 and rounded once: half the HBM bytes of fp32 rows in
+    bf16). Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
     Returns (dq_parts [B, S, Hp, *], d(latent) parts fp32 [B, T, *]).
     """
     batch, q_len = idx.shape[:2]

@@ -31,7 +31,7 @@ def _gather_selected(latent: jax.Array, indices: jax.Array):
 
 
 def sparse_mla_attention_reference(q, latent, indices, *, scale, kv_lora_rank, precision=HIGHEST, block_n=64,
-                                   bwd_query_chunk=256, interpret=None):
+                                   bwd_query_chunk=512, interpret=None):
     """softmax(scale * q.k over the valid selected rows) @ v; returns (out [B,S,H,C] q.dtype, lse fp32).
     An index outside [0, T) is an unused slot."""
     in_range = jnp.where(indices < latent.shape[1], indices, -1)

@@ -9,9 +9,11 @@ are double-buffered: block j+1's DMAs are started before block j is computed.
 
 TPU layout: the latent row is one lane-padded width W = C+R rounded up to 128 (GLM-5: 576 -> 640), values
 are its first V = min(C rounded up to 128, W) columns, heads are padded to a multiple of 16 (bf16 sublane
-tile); every block's last two dims equal the array's. Per-head vectors (lse, shift) travel as [.., Hp, 1].
-The backward writes each query's head-summed per-slot row gradients straight to HBM, block by block
-(two VMEM buffers), and reuses `sparse_mla.chunked_backward` for the bounded query chunks and the scatter.
+tile); every block's last two dims equal the array's. In HBM, bf16 rows travel as pairs of columns packed in
+uint32 words (`latent_rows`): 1536 bytes per GLM-5 row instead of a (2, 128)-tiled 2560. Per-head vectors
+(lse, shift) travel as [.., Hp, 1]. The backward writes each query's head-summed per-slot row gradients (in
+the latent's dtype) straight to HBM, block by block (two VMEM buffers), and reuses
+`sparse_mla.chunked_backward` for the bounded query chunks and the scatter.
 """
 
 from __future__ import annotations
@@ -61,9 +63,30 @@ def pad_queries(q: jax.Array, sizes: TpuSizes) -> jax.Array:
 
 
 def latent_rows(latent: jax.Array, sizes: TpuSizes) -> jax.Array:
-    """[B, T, C+R] -> [B, T, 1, W], zero padded: each row a (1, W) tile that one DMA copies whole."""
-    padded = pad_axis(latent, 2, sizes.width)
-    return padded.reshape(*padded.shape[:2], 1, sizes.width)
+    """The rows the kernels gather, each one (1, P) tile that one DMA copies whole: [B, T, 1, P].
+
+    fp32 (and other non-bf16) rows are the zero-padded [B, T, W]. A bf16 row in a (1, W) tile would be
+    stored with (2, 128) tiles, every word half padding: twice its bytes read per gather. So bf16 rows are
+    packed into uint32 words instead, column i in the low half of word i and column i + P in the high half
+    (P = W rounded up to 256, halved: GLM-5 576 -> 384 words, 1536 bytes, not 2560); `unpack_rows` undoes it.
+    """
+    if latent.dtype != jnp.bfloat16:
+        padded = pad_axis(latent, 2, sizes.width)
+        return padded.reshape(*padded.shape[:2], 1, sizes.width)
+    words = round_up(sizes.width, 2 * LANES) // 2
+    padded = pad_axis(latent, 2, 2 * words)
+    pairs = jnp.stack([padded[..., :words], padded[..., words:]], axis=-1)  # [B, T, P, 2]: low half first
+    return lax.bitcast_convert_type(pairs, jnp.uint32)[:, :, None, :]
+
+
+def unpack_rows(rows: jax.Array, width: int, dtype) -> jax.Array:
+    """Gathered rows [n, P] as [n, width] in `dtype`: bf16 rows out of `latent_rows`' uint32 words (a bf16 value
+    is the high half of the fp32 with the same bits, so the conversion is exact), other rows as they are."""
+    if rows.dtype != jnp.uint32:
+        return rows
+    low = lax.bitcast_convert_type(rows << 16, jnp.float32)
+    high = lax.bitcast_convert_type(rows & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.concatenate([low, high], axis=1)[:, :width].astype(dtype)
 
 
 def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
@@ -78,13 +101,14 @@ def _valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
     return (idx >= 0) & (idx < num_keys)
 
 
-def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
-    """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows.
+def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
+    """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows, the rows in
+    the width and dtype of `like` (the query block [Hp, W]).
 
-    Rows are DMA'd from HBM one by one into buf [2, block_n, 1, W]; block j+1's copies are in flight while
+    Rows are DMA'd from HBM one by one into buf [2, block_n, 1, P]; block j+1's copies are in flight while
     block j is computed. All copies of one buffer signal its semaphore; each wait consumes one row's worth.
-    lat_hbm is [B, T, 1, W]: a row is its own (1, W) tile, so row n of a block lands at offset n of an
-    untiled dimension. Mosaic rejects single-row copies into a [.., block_n, W] buffer, whose second-minor
+    lat_hbm is `latent_rows`' [B, T, 1, P]: a row is its own (1, P) tile, so row n of a block lands at offset n
+    of an untiled dimension. Mosaic rejects single-row copies into a [.., block_n, W] buffer, whose second-minor
     dimension is tiled by 8 (16 for packed bf16): the offset n is not tile-aligned.
     """
     num_blocks, block_n = idx_smem.shape
@@ -119,15 +143,16 @@ def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init):
             start(j + 1, 1 - slot)
 
         wait(slot)
-        return body(j, buf[slot, :, 0, :], carry)
+        return body(j, unpack_rows(buf[slot, :, 0, :], like.shape[1], like.dtype), carry)
 
     return lax.fori_loop(0, num_blocks, step, init)
 
 
 def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int) -> pl.CostEstimate:
     """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
-    `gathered_rows_cost` over the B x S programs, each gathering N_p rows of W."""
-    row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * latent.dtype.itemsize
+    `gathered_rows_cost` over the B x S programs, each gathering N_p rows of P as stored: a (1, P) tile of a
+    type narrower than 32 bits is padded to whole 32-bit words (bf16: (2, 128) tiles), which the DMA reads."""
+    row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * max(latent.dtype.itemsize, 4)
     moved = array_bytes(idx, *per_query) + sum(math.prod(shape) * jnp.dtype(dtype).itemsize
                                                for shape, dtype, _ in out_shapes)
     return gathered_rows_cost(idx.shape[0] * idx.shape[1], row_bytes, moved, flops=flops,
@@ -138,10 +163,11 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
                  transcendentals: int):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
-    Kernel arguments: idx (SMEM), idx (VMEM), latent [B, T, 1, W] (HBM), the per-query inputs, the outputs,
-    then the row buffer [2, block_n, 1, W], its DMA semaphores and `scratch`. idx: [B, S, Np/block_n, block_n];
-    per-query inputs and outputs are [B, S, a, b] arrays read/written one [a, b] block per program, or
-    HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm"). flops / transcendentals: per program.
+    Kernel arguments: idx (SMEM), idx (VMEM), latent (`latent_rows`, [B, T, 1, P], HBM), the per-query inputs,
+    the outputs, then the row buffer [2, block_n, 1, P], its DMA semaphores and `scratch`.
+    idx: [B, S, Np/block_n, block_n]; per-query inputs and outputs are [B, S, a, b] arrays read/written one
+    [a, b] block per program, or HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
+    flops / transcendentals: per program.
     """
     batch, q_len, _, block_n = idx.shape
 
@@ -185,7 +211,7 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, buf, se
 
     init = (jnp.full((heads, 1), NEG_INF, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
             jnp.zeros((heads, values), jnp.float32))
-    row_max, row_sum, acc = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init)
+    row_max, row_sum, acc = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, q)
     has_valid = row_sum > 0
     safe_sum = jnp.where(has_valid, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum).astype(out_ref.dtype)
@@ -202,9 +228,9 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     lse = lse_ref[...]  # [Hp, 1]
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
 
-    def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM
-        first = pl.multiple_of(j * block_n, block_n)  # tells Mosaic the tiled-dim offset is tile-aligned
-        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, query, pl.ds(first, block_n)], dk_sem.at[slot])
+    def dk_copy(j, slot):  # one block of per-slot row gradients, VMEM -> HBM rows [query, slot] of [B, S Np, W]
+        first = pl.multiple_of((query * num_blocks + j) * block_n, block_n)  # a tile-aligned offset, for Mosaic
+        return pltpu.make_async_copy(dk_buf.at[slot], dk_hbm.at[batch, pl.ds(first, block_n)], dk_sem.at[slot])
 
     def body(j, rows, dq):
         slot = lax.rem(j, 2)
@@ -217,13 +243,16 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
         def _():
             dk_copy(j - 2, slot).wait()  # the buffer's previous block has left VMEM
 
-        # Per-slot row gradients, summed over heads: key part over all W columns plus value part.
-        dk_buf[slot] = scale * dot_tn(d_logits, q)
-        dk_buf[slot, :, :values] += dot_tn(p.astype(d_out.dtype), d_out)
+        # Per-slot row gradients, summed over heads: key part over all W columns plus value part, added in
+        # fp32 and rounded once to the buffer's dtype (lane-aligned halves: V is a multiple of 128).
+        dk_key = scale * dot_tn(d_logits, q)  # [block_n, W]
+        dk_buf[slot, :, :values] = (dk_key[:, :values] + dot_tn(p.astype(d_out.dtype), d_out)).astype(dk_buf.dtype)
+        if values < dk_key.shape[1]:
+            dk_buf[slot, :, values:] = dk_key[:, values:].astype(dk_buf.dtype)
         dk_copy(j, slot).start()
         return dq + dot_nn(d_logits, rows)
 
-    dq = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32))
+    dq = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
     for j in range(max(0, num_blocks - 2), num_blocks):  # the copies still in flight
         dk_copy(j, j % 2).wait()
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
@@ -268,8 +297,10 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
         idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
         dq, dk = _gather_call(
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
-            [(q_c.shape, q_c.dtype, False), ((*idx.shape, sizes.width), jnp.float32, True)],
-            scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+            # dk rows as [B, chunk Np, W], the scatter's shape: XLA then fuses their conversion to fp32 into it.
+            [(q_c.shape, q_c.dtype, False), ((idx.shape[0], idx.shape[1] * idx.shape[2], sizes.width), latent.dtype,
+                                             True)],
+            scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), latent.dtype), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
             flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values))
         return (dq,), (dk,)
@@ -297,7 +328,7 @@ def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem
         out_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
         return carry
 
-    _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0)
+    _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0, q)
 
 
 def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_head_lse: float, interpret: bool):

@@ -15,12 +15,14 @@ from pallas_kernels import (
     sparse_attention_target,
     sparse_mla_attention,
 )
+from pallas_kernels.mla_layout import MlaLayout
 from pallas_kernels.reference import (
     dense_attention_target_reference,
     indexer_scores_reference,
     sparse_attention_target_reference,
     sparse_mla_attention_reference,
 )
+from pallas_kernels.tpu_sparse_mla import TpuSizes, latent_rows, unpack_rows
 
 TPU = dict(platform="tpu", interpret=True)
 
@@ -103,6 +105,20 @@ def test_sparse_target_matches_reference(sparse_case):
     np.testing.assert_allclose(sparse_case["target"], want, **TOLERANCE[sparse_case["dtype"]])
     assert np.all(np.asarray(sparse_case["target"])[np.asarray(sparse_case["indices"]) < 0] == 0)
 
+
+
+@pytest.mark.parametrize("dtype, stored", [(jnp.bfloat16, (jnp.uint32, 384)), (jnp.float32, (jnp.float32, 640))])
+def test_gathered_rows_layout_round_trips(dtype, stored):
+    """GLM-5 rows (576 wide): bf16 packed two columns per uint32 word (384 words: no (2, 128) tile padding in
+    HBM), fp32 lane padded to 640; unpacked, both are the zero-padded [T, 640] rows bit for bit."""
+    latent = jax.random.normal(jax.random.key(0), (1, 5, 576)).astype(dtype)
+    sizes = TpuSizes.of(MlaLayout(heads=64, latent_dim=512, rope_dim=64, num_slots=16, block_n=16))
+    rows = latent_rows(latent, sizes)
+    assert (rows.dtype, rows.shape) == (stored[0], (1, 5, 1, stored[1]))
+    unpacked = unpack_rows(rows[0, :, 0], sizes.width, dtype)
+    assert unpacked.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(unpacked, np.float32),
+                                  np.pad(np.asarray(latent[0], np.float32), ((0, 0), (0, 64))))
 
 def _segmented(q_len, num_keys, q_offset):
     """Two segments per batch row, plus a query whose segment has no key."""

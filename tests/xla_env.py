@@ -22,8 +22,11 @@ CACHE_SUFFIX, ACCESS_TIME_SUFFIX = "-cache", "-atime"  # jax's names for an entr
 # Always understood by XLA:CPU: skip LLVM's optimisation passes.
 BASE_FLAGS = ("--xla_backend_optimization_level=0",)
 # Faster to compile where this XLA has them; XLA aborts the process on a flag it does not know, so each is
-# probed once per jaxlib version (the answer is kept in the cache directory).
-OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# probed once per jaxlib version (the answer is kept in the cache directory). The older elemental fusion
+# emitters; and one LLVM module per program: XLA:CPU otherwise splits each program's module into parts to
+# compile them in parallel, and the split itself (llvm::SplitModule) took ~9% of the CPU samples of the tiny
+# step's compile (perf), on cores that the two xdist workers keep busy anyway.
+OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def _flag_name(flag: str) -> str:

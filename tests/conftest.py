@@ -20,7 +20,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # test helpers (hf_reference.py, xla_env.py) live beside this file
 
-from xla_env import configure_test_environment, prune_compile_cache  # noqa: E402
+from xla_env import GC_THRESHOLDS, configure_test_environment, prune_compile_cache  # noqa: E402
 
 # Before jax is imported: jax reads JAX_* and XLA reads XLA_FLAGS when they are first used.
 configure_test_environment()
@@ -119,12 +119,6 @@ def pytest_configure(config: pytest.Config) -> None:
             "test extra allows (pip install -e '.[test]')")
 
 
-# Python's cyclic collector walks the whole heap (jax, torch and transformers are imported by then) in every
-# full collection, and tracing makes objects far faster than the default thresholds (700, 10, 10) expect: the
-# collector took 8.9% of the CPU samples of a warm-cache run of tests/model/test_model.py + tests/train/
-# test_step.py (perf, 2026-12-02), 3.6% with higher thresholds and what collection imported frozen out of the
-# collections (it lives for the whole run). In the xdist workers and a -n 0 run alike; not in subprocesses.
-GC_THRESHOLDS = (10_000, 20, 20)
 gc.set_threshold(*GC_THRESHOLDS)  # from here: collection imports the test modules and what they import
 
 

@@ -4,8 +4,7 @@ whole directory), and one prune per run keeps the newest entries within the byte
 import gc
 import os
 
-from conftest import GC_THRESHOLDS
-from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, prune_compile_cache
+from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, GC_THRESHOLDS, prune_compile_cache
 
 
 def _entry(directory, name: str, size: int, written: int):

@@ -7,6 +7,7 @@ tests check are unchanged. Compiled programs go to a persistent cache shared wit
 start (CLI runs, 8-device checks), so a program compiled once is loaded by every later test, subprocess and
 run in this checkout. The settings travel through the environment, so subprocesses inherit them."""
 
+import gc
 import importlib.metadata
 import inspect
 import json
@@ -19,7 +20,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # test helpers (hf_reference.py, xla_env.py) live beside this file
 
-from xla_env import configure_test_environment, prune_compile_cache  # noqa: E402
+from xla_env import GC_THRESHOLDS, configure_test_environment, prune_compile_cache  # noqa: E402
 
 # Before jax is imported: jax reads JAX_* and XLA reads XLA_FLAGS when they are first used.
 configure_test_environment()
@@ -118,9 +119,18 @@ def pytest_configure(config: pytest.Config) -> None:
             "test extra allows (pip install -e '.[test]')")
 
 
+gc.set_threshold(*GC_THRESHOLDS)  # from here: collection imports the test modules and what they import
+
+
+def _freeze_imported_objects() -> None:
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Refuse a worker whose pytest-xdist did not take the groups, whatever the versions (a refused worker
-    stops the run with an INTERNALERROR)."""
+    """Keep the collector off what collection imported; and refuse a worker whose pytest-xdist did not take
+    the groups, whatever the versions (a refused worker stops the run with an INTERNALERROR)."""
+    _freeze_imported_objects()
     if not getattr(session.config.option, "loadgroup", False):  # set in xdist workers only
         return
     ungrouped = [item.nodeid for item in session.items

@@ -20,6 +20,7 @@ def random_params(config, seed, std=None):
             value = np.zeros(leaf.shape)
         else:
             value = std * rng.standard_normal(leaf.shape)
-        return jnp.asarray(value, leaf.dtype)
+        # Cast on the host: a cast on the device would compile one program per leaf shape.
+        return jnp.asarray(value.astype(leaf.dtype))
 
     return jax.tree_util.tree_map_with_path(fill, jax.eval_shape(lambda: init(config, jax.random.key(0))))

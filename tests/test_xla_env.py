@@ -1,9 +1,10 @@
 """The test environment's compilation cache: jax writes without a size limit (a limit makes every write scan the
-whole directory), and one prune per run keeps the newest entries within the byte budget."""
+whole directory), and one prune per run keeps the newest entries within the byte budget; and its collector."""
 
+import gc
 import os
 
-from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, prune_compile_cache
+from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, GC_THRESHOLDS, prune_compile_cache
 
 
 def _entry(directory, name: str, size: int, written: int):
@@ -38,3 +39,9 @@ def test_jax_is_given_no_cache_size_limit():
 
     assert os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] == "-1"
     assert jax.config.jax_compilation_cache_max_size == -1
+
+
+def test_the_collector_skips_what_the_imports_made():
+    # Set by tests/conftest.py: raised thresholds, and the objects alive after collection frozen.
+    assert gc.get_threshold() == GC_THRESHOLDS and gc.get_threshold()[0] > 700
+    assert gc.get_freeze_count() > 100_000

@@ -22,8 +22,19 @@ CACHE_SUFFIX, ACCESS_TIME_SUFFIX = "-cache", "-atime"  # jax's names for an entr
 # Always understood by XLA:CPU: skip LLVM's optimisation passes.
 BASE_FLAGS = ("--xla_backend_optimization_level=0",)
 # Faster to compile where this XLA has them; XLA aborts the process on a flag it does not know, so each is
-# probed once per jaxlib version (the answer is kept in the cache directory).
-OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# probed once per jaxlib version (the answer is kept in the cache directory). The older elemental fusion
+# emitters; and one LLVM module per program: XLA:CPU otherwise splits each program's module into parts to
+# compile them in parallel, and the split itself (llvm::SplitModule) took ~9% of the CPU samples of the tiny
+# step's compile (perf), on cores that the two xdist workers keep busy anyway.
+OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+
+# Python's cyclic collector walks the whole heap (jax, torch and transformers are imported by then) in every
+# full collection, and tracing makes objects far faster than the default thresholds (700, 10, 10) expect: the
+# collector took 8.9% of the CPU samples of a warm-cache run of tests/model/test_model.py + tests/train/
+# test_step.py (perf, 2026-12-02), 3.6% with higher thresholds and what collection imported frozen out of the
+# collections (it lives for the whole run). Set by tests/conftest.py, in the xdist workers and a -n 0 run
+# alike; not in subprocesses.
+GC_THRESHOLDS = (10_000, 20, 20)
 
 
 def _flag_name(flag: str) -> str:

@@ -61,7 +61,7 @@ from pallas_kernels import (  # noqa: E402
 
 # HBM bandwidth per chip, bytes/s (Cloud TPU documentation); topology.CHIPS has HBM size and peak FLOP/s only.
 HBM_BYTES_PER_S = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
-CHUNK = 256  # the kernels' default backward / top-k query chunk: lengths are multiples of it
+CHUNK = 256  # the top-k query chunk: lengths are multiples of it
 H, C, R, N, I, J = 64, 512, 64, 2048, 32, 128
 QK_DENSE, V_DENSE = 192 + 64, 256  # GLM-5's expanded heads: qk_nope + rope, v_head_dim
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from pathlib import Path
 
-from tensorboardX import SummaryWriter as _TensorboardXWriter
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.record_writer import masked_crc32c
+# tensorboardX imports torch whenever torch is installed (the test extra brings it), only to accept torch
+# tensors, which this module never passes: a second of start-up and a few hundred MB in every process that
+# logs. While tensorboardX loads, `import torch` fails unless something had loaded torch already.
+_HIDE_TORCH = "torch" not in sys.modules
+if _HIDE_TORCH:
+    sys.modules["torch"] = None  # type: ignore[assignment]
+try:
+    from tensorboardX import SummaryWriter as _TensorboardXWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.record_writer import masked_crc32c
+finally:
+    if _HIDE_TORCH:
+        del sys.modules["torch"]
 
 
 class SummaryWriter:

@@ -160,17 +160,18 @@ def test_an_mfu_above_one_is_an_error_naming_the_uncounted_kernels():
 
 
 @pytest.mark.slow
-def test_a_cpu_machine_starts_without_accelerator_noise():
+def test_a_cpu_machine_starts_without_accelerator_noise_or_torch():
     # The package first (as `glm5` starts): nothing at all from libtpu or the CUDA plugin, both installed by the
     # test extra, even when libtpu describes a pod for `glm5 compile`. jax first: the package still keeps jax on
     # CPU and libtpu quiet (the plugin's import-time "cuda drivers" lines are then already out).
     env = {key: value for key, value in subprocess_env().items() if key != "JAX_PLATFORMS"}
     noise = ("Failed to find host bounds", "unexpected worker hostname", "Unable to load CUDA", "Traceback")
     # The package first, then a pod described as glm5 compile does, in one process (each start costs seconds).
-    package_then_pod = ("import glm5_jax.cli, jax; print(jax.devices()[0].platform); "
+    # It also does not load torch (installed by the test extra): tensorboardX would, for a second per start.
+    package_then_pod = ("import sys, glm5_jax.cli, jax; print(jax.devices()[0].platform); "
                         "from glm5_jax.parallel.topology import get_topology; get_topology('v5p-8').devices(); "
-                        "print(jax.devices()[0].platform)")
-    for code, quiet, platforms in ((package_then_pod, noise + ("cuda drivers",), ["cpu", "cpu"]),
+                        "print(jax.devices()[0].platform); print('torch' in sys.modules)")
+    for code, quiet, platforms in ((package_then_pod, noise + ("cuda drivers",), ["cpu", "cpu", "False"]),
                                    ("import jax, glm5_jax.cli; print(jax.devices()[0].platform)", noise, ["cpu"])):
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
                                 timeout=300)

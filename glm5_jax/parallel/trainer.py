@@ -117,7 +117,7 @@ def build_trainer(experiment: ExperimentConfig, devices: Sequence[jax.Device] | 
         optim_config = rl_optim_config(optim_config, experiment.rl)  # the DSA indexer is frozen in RL by default
     params = abstract_params(experiment.model)
     model = experiment.model
-    optimizer = make_optimizer(optim_config, params, config=model)
+    optimizer = make_optimizer(optim_config, params, config=model, mesh=layout.mesh)
     state_shardings = TrainState(
         step=layout.replicated, params=param_shardings(params, layout.mesh, config=model),
         opt_state=opt_state_shardings(jax.eval_shape(optimizer.init, params), layout.mesh, config=model))

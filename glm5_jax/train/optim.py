@@ -18,7 +18,8 @@ Muon follows Moonlight / GLM-5: Nesterov momentum 0.95, 5 Newton-Schulz steps, t
 scaled by `muon_rms * sqrt(max(fan_in, fan_out))` so its RMS matches AdamW's, decoupled weight decay, one
 learning rate for both groups. Leading stacked axes (layers L / Lf, experts E) are batch axes: one matrix
 per slice; the layer axis is walked one layer at a time (`muon_layerwise`) so a pod never holds every
-layer's Newton-Schulz intermediates at once. Matrix layouts per leaf:
+layer's Newton-Schulz intermediates at once, and with the step's mesh the FSDP-sharded stacks run on whole
+matrices, their layers spread over the devices (no Gram-matrix all-reduce). Matrix layouts per leaf:
   q_b_proj  [L, Q, H, K]       split: one [Q, K] per (layer, head);   else one [Q, (H K)] per layer
   kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head), cut at the config's
                                qk_nope_head_dim; else [C, (H (nope+P))]
@@ -35,11 +36,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.config.core import _fail
 from glm5_jax.config.optim import OptimConfig
+from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.model.metadata import ParamInfo, param_info
 from glm5_jax.tree_paths import path_names, path_string
 from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
@@ -163,13 +166,32 @@ def _dimension_numbers_fn(split: bool, config: ModelConfig) -> Callable:
     return dims
 
 
+def _leaf_axes(path, config: ModelConfig) -> tuple:
+    """The logical axes of the weight an optimizer leaf at `path` belongs to."""
+    names = path_names(path)
+    names = names[:-1] if names[-1] in _KV_PARTS else names  # a half of a split kv_b_proj kernel
+    return param_info(names, config).axes
+
+
 def _layer_stacked_fn(config: ModelConfig) -> Callable:
     """True for every leaf whose axis 0 is a stacked layer axis (the scanned stacks), which Muon maps over."""
-    def stacked(path, x):
-        names = path_names(path)
-        names = names[:-1] if names[-1] in _KV_PARTS else names  # a half of a split kv_b_proj kernel
-        return param_info(names, config).axes[0] == "layers"
-    return lambda tree: jax.tree_util.tree_map_with_path(stacked, tree)
+    return lambda tree: jax.tree_util.tree_map_with_path(lambda path, x: _leaf_axes(path, config)[0] == "layers",
+                                                         tree)
+
+
+def _home_fn(config: ModelConfig, mesh) -> Callable | None:
+    """Per leaf, its `NamedSharding` on `mesh` where Newton-Schulz should run on layers spread over the mesh
+    (stacked matrices without an expert axis: a routed expert's matrices already sit whole on one chip), else
+    False."""
+    if mesh is None:
+        return None
+
+    def home(path, x):
+        axes = _leaf_axes(path, config)
+        if axes[0] != "layers" or "experts" in axes:
+            return False
+        return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh))
+    return lambda tree: jax.tree_util.tree_map_with_path(home, tree)
 
 
 def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation:
@@ -191,11 +213,12 @@ def _zero_where_frozen(labels) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelConfig) -> optax.GradientTransformation:
+def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelConfig,
+          mesh) -> optax.GradientTransformation:
     dims_fn = _dimension_numbers_fn(cfg.muon_split, config)
     orthogonalise = optax.chain(
         scale_by_muon_layerwise(dims_fn, _layer_stacked_fn(config), ns_steps=cfg.ns_steps,
-                                beta=cfg.muon_momentum, eps=cfg.eps),
+                                beta=cfg.muon_momentum, eps=cfg.eps, home_fn=_home_fn(config, mesh)),
         _scale_to_rms(dims_fn, cfg.muon_rms),
     )
     return optax.chain(
@@ -205,9 +228,10 @@ def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelCon
     )
 
 
-def make_optimizer(cfg: OptimConfig, params, *, config: ModelConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, params, *, config: ModelConfig, mesh=None) -> optax.GradientTransformation:
     """The optax transformation for `cfg` over a parameter tree shaped like `params` (arrays or abstract): the
-    weights of `GLM5(config)`, or part of them."""
+    weights of `GLM5(config)`, or part of them. With the `mesh` the step runs on, Muon orthogonalises the
+    FSDP-sharded matrices on whole layers spread over its devices (`muon_layerwise`)."""
     if not isinstance(cfg, OptimConfig):
         raise TypeError(f"cfg must be an OptimConfig, got {type(cfg).__name__}")
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -231,7 +255,7 @@ def make_optimizer(cfg: OptimConfig, params, *, config: ModelConfig) -> optax.Gr
     }
     if "muon" in present:
         kv_paths = _kv_up_projections(params, labels, config) if cfg.muon_split else frozenset()
-        groups["muon"] = _muon(cfg, schedule, kv_paths, config)
+        groups["muon"] = _muon(cfg, schedule, kv_paths, config, mesh)
     clip = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm > 0 else []
     return optax.chain(
         _zero_where_frozen(labels),

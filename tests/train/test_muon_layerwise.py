@@ -1,8 +1,12 @@
 """Layer-wise Muon equals optax's `scale_by_muon` on stacked leaves, and keeps only one layer live."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
+import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from xla_env import run_pass_checks
 
 from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
 
@@ -47,3 +51,8 @@ def test_layer_axis_runs_as_a_loop():
     state = layerwise.init(params)
     text = jax.jit(layerwise.update).lower(params, state).as_text()
     assert text.count("stablehlo.while") >= 2  # one loop per layer-stacked leaf
+
+
+@pytest.mark.slow
+def test_newton_schulz_on_layers_spread_over_8_devices_equals_one_device_and_all_reduces_nothing():
+    run_pass_checks(Path(__file__).with_name("_muon_split_checks.py"), expected=["spread Newton-Schulz"])

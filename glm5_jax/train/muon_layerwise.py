@@ -8,8 +8,8 @@ one layer's matrices are live at a time. The update equals `scale_by_muon`'s (sa
 and Newton-Schulz; tested) and the state is the same `MuonState`, so checkpoints do not change.
 
 Given their shardings, stacked FSDP-sharded matrices are orthogonalised with their layer axis split over every
-device instead: each chip runs Newton-Schulz on whole matrices of its own layers (the layer axis padded to a
-multiple of the device count). On FSDP shards every Newton-Schulz step all-reduces a Gram matrix and repeats
+device instead, where that does no more FLOPs per chip: each chip runs Newton-Schulz on whole matrices of its
+own layers (the layer axis padded to a multiple of the device count). On FSDP shards every Newton-Schulz step all-reduces a Gram matrix and repeats
 the [m, m] products on every chip (510 GB of all-reduce per chip and step for GLM-5 on v5p-512); moving whole
 matrices costs two all-to-alls of the leaf.
 """
@@ -29,6 +29,24 @@ from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 def _drop_leading_axis(dims: MuonDimensionNumbers) -> MuonDimensionNumbers:
     shift = lambda axes: axes - 1 if isinstance(axes, int) else tuple(a - 1 for a in axes)
     return MuonDimensionNumbers(reduction_axis=shift(dims.reduction_axis), output_axis=shift(dims.output_axis))
+
+
+def _as_tuple(axes) -> tuple[int, ...]:
+    return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+def _spreading_pays(shape: tuple[int, ...], dims: MuonDimensionNumbers, devices: int) -> bool:
+    """Whether Newton-Schulz on whole matrices, ceil(L / devices) layers per chip, does fewer FLOPs per chip
+    than on FSDP shards, where the [p, p] products (p the smaller side) run on every chip for all L layers.
+    Per matrix and step: 4 p^2 q (X X^T and B X, sharded) + 2 p^3 (A A). `shape` is [L, ...], `dims` a layer's."""
+    layer_shape = shape[1:]
+    fan_in = math.prod(layer_shape[a] for a in _as_tuple(dims.reduction_axis))
+    fan_out = math.prod(layer_shape[a] for a in _as_tuple(dims.output_axis))
+    p, q = min(fan_in, fan_out), max(fan_in, fan_out)
+    layers = shape[0]
+    spread = math.ceil(layers / devices) * (4 * p * p * q + 2 * p ** 3)
+    sharded = layers * (4 * p * p * q / devices + 2 * p ** 3)
+    return spread <= sharded
 
 
 def _over_devices(one_layer: Callable, leaves: tuple, home: NamedSharding) -> tuple:
@@ -79,7 +97,8 @@ def scale_by_muon_layerwise(
                 out, new = per_layer.update(update_and_mu[0], MuonState(state.count, update_and_mu[1],
                                                                         state.ns_coeffs))
                 return out, new.mu
-            if home is not False and home.mesh.size > 1:
+            if home is not False and home.mesh.size > 1 and _spreading_pays(
+                    update.shape, _drop_leading_axis(dims), home.mesh.size):
                 return _over_devices(one_layer, (update, mu), home)
             return jax.lax.map(one_layer, (update, mu))
 

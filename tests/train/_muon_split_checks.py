@@ -18,8 +18,8 @@ from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise  # noqa: E402
 
 MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "expert"))
 FSDP = ("fsdp", "expert")
-# Three layers of an FSDP-sharded [in, out] matrix (the layer axis does not divide the 8 devices) and three
-# layers of 8 experts, each expert whole on its device pair.
+# Twelve layers of an FSDP-sharded [in, out] matrix (padded to 16: two per device; whole matrices do fewer
+# Newton-Schulz FLOPs per chip than shards here) and three layers of 8 experts, each whole on its device pair.
 SHARDINGS = {"dense": NamedSharding(MESH, P(None, FSDP, None)), "experts": NamedSharding(MESH, P(None, FSDP))}
 DIMS = {"dense": MuonDimensionNumbers(reduction_axis=1, output_axis=2),
         "experts": MuonDimensionNumbers(reduction_axis=2, output_axis=3)}
@@ -29,7 +29,7 @@ HOMES = {"dense": SHARDINGS["dense"], "experts": False}  # experts stay where th
 
 def tree(key):
     a, b = jax.random.split(key)
-    return {"dense": jax.random.normal(a, (3, 64, 32)), "experts": jax.random.normal(b, (3, 8, 16, 8))}
+    return {"dense": jax.random.normal(a, (12, 64, 32)), "experts": jax.random.normal(b, (3, 8, 16, 8))}
 
 
 def muon(homes):

@@ -8,7 +8,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from xla_env import run_pass_checks
 
-from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
+from glm5_jax.train.muon_layerwise import _spreading_pays, scale_by_muon_layerwise
 
 
 def _tree(key):
@@ -56,3 +56,12 @@ def test_layer_axis_runs_as_a_loop():
 @pytest.mark.slow
 def test_newton_schulz_on_layers_spread_over_8_devices_equals_one_device_and_all_reduces_nothing():
     run_pass_checks(Path(__file__).with_name("_muon_split_checks.py"), expected=["spread Newton-Schulz"])
+
+
+def test_layers_are_spread_only_where_whole_matrices_cost_no_more_flops_per_chip():
+    dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+    # GLM-5 on 256 chips: the 75 MoE layers' o_proj [(H P), D] spread; the 3 dense layers' MLP stays on shards
+    # (one whole [6144, 12288] per chip would be ~8x the sharded products of 3 layers).
+    assert _spreading_pays((75, 16384, 6144), dims, 256)
+    assert not _spreading_pays((3, 6144, 12288), dims, 256)
+    assert _spreading_pays((12, 64, 32), dims, 8) and not _spreading_pays((3, 64, 32), dims, 8)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.distributed.context_local import context_local
 from glm5_jax.distributed.context_order import to_balanced, to_natural
@@ -44,8 +45,10 @@ def _selected_kl(p, q_i, w_i, k_i, topk, query_chunk):
     @jax.checkpoint
     def block(p_c, q_c, w_c, topk_c):
         keys = gather_rows(k_i, topk_c)  # [B, c, N, J]: only selected rows
-        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products.
-        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_c.astype(jnp.float32))
+        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products. The
+        # operands stay in their dtype with fp32 products and sums (exact for bf16 operands, as upcasting them
+        # was), so neither the gathered keys nor their gradient [B, c, N, J] is ever stored in fp32.
+        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys, q_c, preferred_element_type=jnp.float32)
         scores = jnp.einsum("BSI,BSNI->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
         return _kl(p_c, scores, topk_c >= 0)
 
@@ -69,7 +72,7 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
         captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
     elif mode == "sparse":
         out, p = attn.attend_sparse_with_target(proj, topk, mesh)
-        p = jax.lax.stop_gradient(p)
+        p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
         kl = context_local(lambda _, p, q_i, w_i, topk, k_i: _selected_kl(p, q_i, w_i, k_i, topk,
                                                                          config.index_query_chunk),
                            mesh, (p, q_i, w_i, topk), (k_i,))

@@ -45,10 +45,8 @@ def _selected_kl(p, q_i, w_i, k_i, topk, query_chunk):
     @jax.checkpoint
     def block(p_c, q_c, w_c, topk_c):
         keys = gather_rows(k_i, topk_c)  # [B, c, N, J]: only selected rows
-        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products. The
-        # operands stay in their dtype with fp32 products and sums (exact for bf16 operands, as upcasting them
-        # was), so neither the gathered keys nor their gradient [B, c, N, J] is ever stored in fp32.
-        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys, q_c, preferred_element_type=jnp.float32)
+        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products.
+        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_c.astype(jnp.float32))
         scores = jnp.einsum("BSI,BSNI->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
         return _kl(p_c, scores, topk_c >= 0)
 

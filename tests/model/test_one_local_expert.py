@@ -89,3 +89,16 @@ def test_one_local_expert_moves_no_row_of_the_receive_buffer(cpu_grouped_matmuls
 
     assert moves(lambda e, r: _sorted_path(e, r, expert))
     assert not moves(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
+
+
+def test_empty_rows_give_zeros_whatever_they_hold(cpu_grouped_matmuls):
+    """Rows past the filled ones are left zero by the grouped matmul (rows past sum(group_sizes)), so no mask
+    is applied: even garbage there gives zero output rows."""
+    recv, expert = _received(3)
+    empty = np.asarray(expert) >= 1
+    assert empty.any() and (~empty).any()
+    garbage = jnp.where(jnp.asarray(empty)[:, None], 7.0, recv)
+    out = _run_local_experts(_experts(3), garbage, expert, LAYOUT, "tpu")
+    assert not np.asarray(out)[empty].any()
+    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(_sorted_path(_experts(3), recv, expert))[~empty],
+                               rtol=1e-6, atol=1e-6)

@@ -20,7 +20,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import print_saved_residuals
 
-from glm5_jax.config import REMAT_POLICIES, ModelConfig
+from glm5_jax.config import ModelConfig
 from glm5_jax.config.core import SPARSE_MLA_FORWARD_KERNELS
 from glm5_jax.model.transformer import forward, init
 
@@ -118,4 +118,3 @@ def test_the_kept_kernels_are_the_sparse_mla_forward_kernels():
     for name, module_file in SPARSE_MLA_FORWARD_KERNELS:
         module = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla}[module_file]
         assert Path(inspect.getsourcefile(getattr(module, name))).name == module_file
-    assert REMAT_POLICIES["full_keep_attention"] is not None

@@ -48,6 +48,26 @@ _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 # rematerialised MoE layer's backward skip every routed-expert matmul of the recompute (their weight and input
 # gradients need only these and the re-dispatched rows), at 2 x rows x F values per layer.
 EXPERT_MATMUL_NAMES = ("expert_gate", "expert_up")
+# Outputs of the sparse MLA forward kernel (latent attention output and log-sum-exp): they are also its custom
+# VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new value; the
+# backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its function and
+# module. Keeping them spares the backward pass a re-run of the forward kernel (its 2048-row gather per query).
+SPARSE_MLA_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_kernel", "tpu_sparse_mla.py"))
+# The DSA sparse stage's KL target (head-mean attention probabilities at the selected keys, fp32 [B, S, N]): a
+# constant of the indexer's KL gradient, so without it the backward re-runs the target kernel's row gather.
+DSA_TARGET_NAMES = ("dsa_target",)
+
+
+def save_kernel_outputs(kernels: tuple[tuple[str, str], ...]):
+    """A remat policy saving the outputs of the Pallas kernels named (function, module file name)."""
+    def policy(prim, *_, **params):
+        if prim.name != "pallas_call":
+            return False
+        name, _, where = (params["jaxpr"].debug_info.func_src_info or "").partition(" at ")
+        return (name, Path(where.rsplit(":", 1)[0]).name) in kernels
+    return policy
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": _SAVE_ALWAYS,
@@ -55,6 +75,10 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _SAVE_ALWAYS),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ALWAYS),
+    "full_keep_dsa_target": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
+    "full_keep_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
+        save_kernel_outputs(SPARSE_MLA_FORWARD_KERNELS)),
 }
 
 

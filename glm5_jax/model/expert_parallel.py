@@ -152,8 +152,14 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
     if platform == "cpu":
         ids = jnp.where(filled, expert, 0)[:, None]
         return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
-    order = jnp.argsort(expert, stable=True)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
+    if layout.local_experts == 1:
+        # One expert per device (the pod recipes): the received rows are already in expert order, filled rows
+        # first (`_row_experts`), so sorting would be the identity; skipping it saves a gather and a scatter of
+        # the [R, D] buffer in the forward, its recompute and the backward. The empty rows are those past
+        # sum(group_sizes), which the grouped matmul leaves zero: no mask pass over [R, D] either.
+        return grouped_swiglu(experts, recv, group_sizes, platform)
+    order = jnp.argsort(expert, stable=True)
     out_sorted = grouped_swiglu(experts, recv[order], group_sizes, platform)
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)

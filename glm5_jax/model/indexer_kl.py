@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.distributed.context_local import context_local
 from glm5_jax.distributed.context_order import to_balanced, to_natural
@@ -69,7 +70,7 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
         captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
     elif mode == "sparse":
         out, p = attn.attend_sparse_with_target(proj, topk, mesh)
-        p = jax.lax.stop_gradient(p)
+        p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
         kl = context_local(lambda _, p, q_i, w_i, topk, k_i: _selected_kl(p, q_i, w_i, k_i, topk,
                                                                          config.index_query_chunk),
                            mesh, (p, q_i, w_i, topk), (k_i,))

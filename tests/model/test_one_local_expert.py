@@ -1,0 +1,104 @@
+"""With one routed expert per device (the pod recipes: `expert` x `context` = n_routed_experts), the received
+rows of the `ep` dispatch are already in expert order, filled rows first, so `_run_local_experts` runs the grouped
+matmuls on the receive buffer as it is: the same values and gradients as sorting it (the identity permutation),
+without the gather and scatter of the [R, D] buffer."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.model import expert_parallel
+from glm5_jax.model.expert_parallel import _row_experts, _run_local_experts, dispatch_layout, receive_plan
+from glm5_jax.model.experts import grouped_swiglu
+
+SOURCES, TOKENS, TOP_K, D, F = 4, 6, 2, 16, 8
+LAYOUT = dispatch_layout(TOKENS, TOP_K, SOURCES, SOURCES, 1.25)  # 4 experts over 4 devices: one each
+
+
+def _received(seed: int):
+    """A receiver's row experts for random chunk sizes (some sources over capacity), and a receive buffer
+    whose empty rows are zero, as the exchange leaves them."""
+    rng = np.random.RandomState(seed)
+    sent = jnp.asarray(rng.randint(0, TOKENS * TOP_K // 2, size=(SOURCES, 1)), jnp.int32)
+    accepted, _ = receive_plan(sent, LAYOUT.receive_rows)
+    expert = _row_experts(sent, accepted[:, 0], LAYOUT)
+    filled = (expert < 1)[:, None]
+    recv = jnp.where(filled, jnp.asarray(rng.randn(LAYOUT.receive_rows, D), jnp.float32), 0.0)
+    return recv, expert
+
+
+def _experts(seed: int) -> dict:
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return {"gate_proj": jax.random.normal(keys[0], (1, D, F)), "up_proj": jax.random.normal(keys[1], (1, D, F)),
+            "down_proj": jax.random.normal(keys[2], (1, F, D))}
+
+
+def _sorted_path(experts, recv, expert):
+    """The general path: sort the rows by expert, grouped matmuls, scatter back, empty rows zero."""
+    order = jnp.argsort(expert, stable=True)
+    group_sizes = jnp.bincount(expert, length=1).astype(jnp.int32)
+    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, "cpu")
+    mask = (expert < 1)[order][:, None].astype(out_sorted.dtype)
+    return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)
+
+
+@pytest.fixture
+def cpu_grouped_matmuls(monkeypatch):
+    """The device path (`platform` "tpu") with the grouped matmuls `ragged_dot` runs on CPU."""
+    monkeypatch.setattr(expert_parallel, "grouped_swiglu", lambda e, x, g, platform: grouped_swiglu(e, x, g, "cpu"))
+
+
+def test_received_rows_are_filled_first_in_expert_order():
+    assert LAYOUT.local_experts == 1
+    for seed in range(20):
+        _, expert = _received(seed)
+        filled = np.asarray(expert) < 1
+        assert np.array_equal(np.sort(np.asarray(expert), kind="stable"), np.asarray(expert)), expert
+        assert filled.sum() == 0 or filled[: filled.sum()].all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_local_expert_equals_the_sorted_path_in_values_and_gradients(seed, cpu_grouped_matmuls):
+    recv, expert = _received(seed)
+    experts = _experts(seed)
+    probe = jnp.cos(jnp.arange(recv.size, dtype=jnp.float32)).reshape(recv.shape)
+
+    def grads(fn):
+        return jax.value_and_grad(lambda e, r: (fn(e, r) * probe).sum(), argnums=(0, 1))(experts, recv)
+
+    (value, (d_experts, d_recv)) = grads(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
+    (ref_value, (ref_experts, ref_recv)) = grads(lambda e, r: _sorted_path(e, r, expert))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    np.testing.assert_allclose(d_recv, ref_recv, rtol=1e-6, atol=1e-6)
+    for name in experts:
+        np.testing.assert_allclose(d_experts[name], ref_experts[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_one_local_expert_moves_no_row_of_the_receive_buffer(cpu_grouped_matmuls):
+    """No gather or scatter of [R, D] rows in the forward or the gradient (the sorted path has both)."""
+    recv, expert = _received(0)
+    experts = _experts(0)
+
+    def moves(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda e, r: fn(e, r).sum(), argnums=(0, 1)))(experts, recv)
+        shape = f"[{LAYOUT.receive_rows},{D}]"
+        return [line for line in str(jaxpr).splitlines() if shape in line and ("gather" in line or "scatter" in line)]
+
+    assert moves(lambda e, r: _sorted_path(e, r, expert))
+    assert not moves(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
+
+
+def test_empty_rows_give_zeros_whatever_they_hold(cpu_grouped_matmuls):
+    """Rows past the filled ones are left zero by the grouped matmul (rows past sum(group_sizes)), so no mask
+    is applied: even garbage there gives zero output rows."""
+    recv, expert = _received(3)
+    empty = np.asarray(expert) >= 1
+    assert empty.any() and (~empty).any()
+    garbage = jnp.where(jnp.asarray(empty)[:, None], 7.0, recv)
+    out = _run_local_experts(_experts(3), garbage, expert, LAYOUT, "tpu")
+    assert not np.asarray(out)[empty].any()
+    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(_sorted_path(_experts(3), recv, expert))[~empty],
+                               rtol=1e-6, atol=1e-6)

@@ -1,0 +1,120 @@
+"""Remat policies that keep parts of DSA's forward pass (`config.REMAT_POLICIES`): they change only what the
+backward pass recomputes, never a value, and they keep what they say. `full_keep_dsa_target` keeps the sparse
+stage's KL target (so the backward does not re-run the target kernel's row gathers); `full_keep_attention` also
+keeps the sparse MLA forward kernel's outputs, its custom VJP's residuals (so the backward does not re-run the
+forward kernel). The kernels' calls are counted in the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+from jax.ad_checkpoint import print_saved_residuals
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.config.core import SPARSE_MLA_FORWARD_KERNELS
+from glm5_jax.model.transformer import forward, init
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                     num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2, index_head_dim=8,
+                     index_topk=4, mtp_num_steps=1, compute_dtype="float32", moe_backend="ragged",
+                     attention_backend="pallas").validate()
+SEQ = 12
+KEEP_POLICIES = ("full_keep_dsa_target", "full_keep_attention")
+
+
+def _loss(params, tokens, config):
+    out = forward(params, tokens, config=config, indexer_mode="sparse")
+    return jnp.mean(out.logits**2) + jnp.mean(out.mtp_logits**2) + out.aux["indexer_kl_sum"].sum()
+
+
+def _kernel_calls(jaxpr, counter=None):
+    """Pallas kernel calls in a jaxpr and every jaxpr inside it, by kernel function name."""
+    counter = collections.Counter() if counter is None else counter
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counter[eqn.params["jaxpr"].debug_info.func_src_info.split(" at ")[0]] += 1
+        for sub in core.jaxprs_in_params(eqn.params):
+            _kernel_calls(sub, counter)
+    return counter
+
+
+def _gradient_kernels(policy: str) -> collections.Counter:
+    """Kernel calls of the loss gradient traced for TPU, after dead-code elimination."""
+    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy)
+    params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
+    closed = jax.make_jaxpr(jax.grad(functools.partial(_loss, config=config)))(params, tokens)
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return _kernel_calls(jaxpr)
+
+
+@pytest.mark.parametrize("policy", KEEP_POLICIES)
+def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
+    """The kernels run (interpreted on CPU) under `full` and the policy: loss and every gradient equal."""
+    params = init(CONFIG, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, SEQ), 0, CONFIG.vocab_size)
+
+    def value_and_grad(name):
+        config = dataclasses.replace(CONFIG, remat_policy=name)
+        return jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))(params, tokens)
+
+    ref_value, ref_grads = value_and_grad("full")
+    value, grads = value_and_grad(policy)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_keep_attention_spares_the_backward_the_forward_kernel():
+    """Under `full` the backward re-runs the sparse MLA forward kernel of every rematerialised layer;
+    `full_keep_attention` keeps its outputs, so it runs once per layer, as without remat."""
+    none, full, keep = (_gradient_kernels(p) for p in ("none", "full", "full_keep_attention"))
+    assert full["_forward_kernel"] > none["_forward_kernel"] > 0, (full, none)
+    assert keep["_forward_kernel"] == none["_forward_kernel"], (keep, none)
+    assert keep["_backward_kernel"] == full["_backward_kernel"] == none["_backward_kernel"] > 0
+
+
+def _saved(policy: str, capsys) -> list[str]:
+    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy)
+    params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    capsys.readouterr()
+    print_saved_residuals(functools.partial(_loss, config=config), params, jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
+    return capsys.readouterr().out.splitlines()
+
+
+def test_keep_policies_save_what_they_name(capsys):
+    """Residuals the layer stacks keep (stacked over layers by `lax.scan`, [layers, B, S, ...]): the
+    `dsa_target` [.., S, N] of each stack's MoE layer under both keep policies; under `full_keep_attention` also
+    the forward kernel's output and lse ([.., S, H, C] and [.., S, H, 1], heads and columns padded to the
+    kernel's tiles) of every stack (two scanned stacks and the MTP step); nothing more."""
+    full, target, attention = (collections.Counter(_saved(p, capsys)) for p in ("full", *KEEP_POLICIES))
+    kept_target = list((target - full).elements())
+    assert len(kept_target) == 2 and not full - target, (target - full, full - target)
+    assert all(line.startswith(f"f32[1,1,{SEQ},{CONFIG.index_topk}] output of scan") for line in kept_target)
+    kept_kernel = sorted((attention - target).elements())
+    assert len(kept_kernel) == 6 and not target - attention, (attention - target, target - attention)
+    shapes = [tuple(int(d) for d in line.split("[")[1].split("]")[0].split(",")) for line in kept_kernel]
+    assert all(len(shape) == 5 and shape[:3] == (1, 1, SEQ) and shape[3] >= CONFIG.num_attention_heads
+               for shape in shapes), kept_kernel
+    assert sorted(shape[4] >= CONFIG.kv_lora_rank for shape in shapes) == [False] * 3 + [True] * 3, kept_kernel
+
+
+def test_the_kept_kernels_are_the_sparse_mla_forward_kernels():
+    """The policy finds the kernels by function and module name: both must exist, so a rename fails here."""
+    from pallas_kernels import sparse_mla, tpu_sparse_mla
+
+    for name, module_file in SPARSE_MLA_FORWARD_KERNELS:
+        module = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla}[module_file]
+        assert Path(inspect.getsourcefile(getattr(module, name))).name == module_file

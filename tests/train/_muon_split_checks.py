@@ -20,16 +20,20 @@ MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "expert"))
 FSDP = ("fsdp", "expert")
 # Twelve layers of an FSDP-sharded [in, out] matrix (padded to 16: two per device; whole matrices do fewer
 # Newton-Schulz FLOPs per chip than shards here) and three layers of 8 experts, each whole on its device pair.
-SHARDINGS = {"dense": NamedSharding(MESH, P(None, FSDP, None)), "experts": NamedSharding(MESH, P(None, FSDP))}
+# A second stacked matrix, sharded on its output side, is spread after the first (one leaf at a time).
+SHARDINGS = {"dense": NamedSharding(MESH, P(None, FSDP, None)), "experts": NamedSharding(MESH, P(None, FSDP)),
+             "attn": NamedSharding(MESH, P(None, None, FSDP))}
 DIMS = {"dense": MuonDimensionNumbers(reduction_axis=1, output_axis=2),
-        "experts": MuonDimensionNumbers(reduction_axis=2, output_axis=3)}
-STACKED = {"dense": True, "experts": True}
-HOMES = {"dense": SHARDINGS["dense"], "experts": False}  # experts stay where they are
+        "experts": MuonDimensionNumbers(reduction_axis=2, output_axis=3),
+        "attn": MuonDimensionNumbers(reduction_axis=1, output_axis=2)}
+STACKED = {"dense": True, "experts": True, "attn": True}
+HOMES = {"dense": SHARDINGS["dense"], "experts": False, "attn": SHARDINGS["attn"]}  # experts stay put
 
 
 def tree(key):
-    a, b = jax.random.split(key)
-    return {"dense": jax.random.normal(a, (12, 64, 32)), "experts": jax.random.normal(b, (3, 8, 16, 8))}
+    a, b, c = jax.random.split(key, 3)
+    return {"dense": jax.random.normal(a, (12, 64, 32)), "experts": jax.random.normal(b, (3, 8, 16, 8)),
+            "attn": jax.random.normal(c, (12, 24, 64))}
 
 
 def muon(homes):
@@ -47,7 +51,8 @@ def main():
         out_one, state_one = jax.jit(one.update)(grads, state_one)
         update = jax.jit(spread.update)
         out_spread, state_spread = update(grads, state_spread)
-        assert out_spread["dense"].sharding.is_equivalent_to(SHARDINGS["dense"], 3)  # back home
+        for name in ("dense", "attn"):  # back home
+            assert out_spread[name].sharding.is_equivalent_to(SHARDINGS[name], 3), name
         for a, b in zip(jax.tree.leaves((out_one, state_one)), jax.tree.leaves((out_spread, state_spread))):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
         texts = {"shards": jax.jit(one.update).lower(grads, state_one).compile().as_text(),

@@ -99,13 +99,9 @@ def scale_by_muon_layerwise(
                 return out, new.mu
             if home is not False and home.mesh.size > 1 and _spreading_pays(
                     update.shape, _drop_leading_axis(dims), home.mesh.size):
-                if spread_results:  # one leaf's whole matrices at a time: this leaf starts after the last one
-                    (update, mu), _ = jax.lax.optimization_barrier(((update, mu), spread_results[-1]))
-                spread_results.append(_over_devices(one_layer, (update, mu), home))
-                return spread_results[-1]
+                return _over_devices(one_layer, (update, mu), home)
             return jax.lax.map(one_layer, (update, mu))
 
-        spread_results: list[tuple] = []
         homes = home_fn(updates) if home_fn is not None else jax.tree.map(lambda _: False, updates)
         results = jax.tree.map(update_leaf, updates, state.mu, dims_fn(updates), layer_stacked_fn(updates), homes)
         new_updates, new_mu = jax.tree.transpose(jax.tree.structure(updates), jax.tree.structure((0, 0)), results)

@@ -218,7 +218,8 @@ def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelCon
     dims_fn = _dimension_numbers_fn(cfg.muon_split, config)
     orthogonalise = optax.chain(
         scale_by_muon_layerwise(dims_fn, _layer_stacked_fn(config), ns_steps=cfg.ns_steps,
-                                beta=cfg.muon_momentum, eps=cfg.eps, home_fn=_home_fn(config, mesh)),
+                                beta=cfg.muon_momentum, eps=cfg.eps,
+                                home_fn=_home_fn(config, mesh) if cfg.muon_spread_layers else None),
         _scale_to_rms(dims_fn, cfg.muon_rms),
     )
     return optax.chain(

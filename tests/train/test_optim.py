@@ -262,3 +262,8 @@ def test_optimizer_applies_schedule_to_update_size(params, grads):
                       weight_decay=0.0, grad_clip_norm=0.0)
     u = one_update(cfg, {"lm_head": grads["lm_head"]}, {"lm_head": params["lm_head"]})
     np.testing.assert_allclose(u["lm_head"]["kernel"], -0.25 * np.sign(grads["lm_head"]["kernel"]), rtol=1e-4)
+
+
+def test_muon_spread_layers_must_be_a_bool():
+    with pytest.raises(ValueError, match="optim.muon_spread_layers"):
+        OptimConfig(name="muon", muon_spread_layers="yes")

@@ -19,17 +19,12 @@ import pytest
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import print_saved_residuals
+from pallas_model import small_pallas_model
 
-from glm5_jax.config import ModelConfig
 from glm5_jax.config.core import SPARSE_MLA_FORWARD_KERNELS
 from glm5_jax.model.transformer import forward, init
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                     num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                     num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2, index_head_dim=8,
-                     index_topk=4, mtp_num_steps=1, compute_dtype="float32", moe_backend="ragged",
-                     attention_backend="pallas").validate()
+CONFIG = small_pallas_model(compute_dtype="float32", moe_backend="ragged")
 SEQ = 12
 KEEP_POLICIES = ("full_keep_dsa_target", "full_keep_attention")
 

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_model import small_pallas_model
 
-from glm5_jax.config import ModelConfig
 from pallas_kernels.query_chunks import num_query_chunks
 from pallas_kernels.sparse_latent import sparse_latent_attention
+
 from glm5_jax.model.transformer import forward, init
 from pallas_kernels import NEG_INF
 
@@ -78,12 +79,7 @@ def test_target_equals_the_head_mean_probabilities_and_is_a_constant(query_chunk
     assert not np.any(grads)
 
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                     num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                     num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=2, index_head_dim=8,
-                     index_topk=4, mtp_num_steps=1, compute_dtype="float32", attention_backend="sparse",
-                     moe_backend="ragged").validate()
+CONFIG = small_pallas_model(compute_dtype="float32", attention_backend="sparse", moe_backend="ragged")
 
 
 @pytest.mark.slow

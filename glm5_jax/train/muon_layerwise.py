@@ -9,8 +9,8 @@ and Newton-Schulz; tested) and the state is the same `MuonState`, so checkpoints
 
 Given their shardings, stacked FSDP-sharded matrices are orthogonalised with their layer axis split over every
 device instead, where that does no more FLOPs per chip: each chip runs Newton-Schulz on whole matrices of its
-own layers (the layer axis padded to a multiple of the device count). On FSDP shards every Newton-Schulz step all-reduces a Gram matrix and repeats
-the [m, m] products on every chip (510 GB of all-reduce per chip and step for GLM-5 on v5p-512); moving whole
+own layers (the layer axis padded to a multiple of the device count). On FSDP shards every Newton-Schulz step
+all-reduces a Gram matrix and repeats the [m, m] products on every chip (510 GB of all-reduce per chip and step for GLM-5 on v5p-512); moving whole
 matrices costs two all-to-alls of the leaf.
 """
 
@@ -31,17 +31,18 @@ def _drop_leading_axis(dims: MuonDimensionNumbers) -> MuonDimensionNumbers:
     return MuonDimensionNumbers(reduction_axis=shift(dims.reduction_axis), output_axis=shift(dims.output_axis))
 
 
-def _as_tuple(axes) -> tuple[int, ...]:
-    return (axes,) if isinstance(axes, int) else tuple(axes)
+def fans(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
+    """(fan_in, fan_out) of each matrix of a leaf of `shape` under `dims`."""
+    as_tuple = lambda axes: (axes,) if isinstance(axes, int) else tuple(axes)  # noqa: E731
+    return (math.prod(shape[a] for a in as_tuple(dims.reduction_axis)),
+            math.prod(shape[a] for a in as_tuple(dims.output_axis)))
 
 
 def _spreading_pays(shape: tuple[int, ...], dims: MuonDimensionNumbers, devices: int) -> bool:
     """Whether Newton-Schulz on whole matrices, ceil(L / devices) layers per chip, does fewer FLOPs per chip
     than on FSDP shards, where the [p, p] products (p the smaller side) run on every chip for all L layers.
     Per matrix and step: 4 p^2 q (X X^T and B X, sharded) + 2 p^3 (A A). `shape` is [L, ...], `dims` a layer's."""
-    layer_shape = shape[1:]
-    fan_in = math.prod(layer_shape[a] for a in _as_tuple(dims.reduction_axis))
-    fan_out = math.prod(layer_shape[a] for a in _as_tuple(dims.output_axis))
+    fan_in, fan_out = fans(shape[1:], dims)
     p, q = min(fan_in, fan_out), max(fan_in, fan_out)
     layers = shape[0]
     spread = math.ceil(layers / devices) * (4 * p * p * q + 2 * p ** 3)

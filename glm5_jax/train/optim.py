@@ -45,7 +45,7 @@ from glm5_jax.config.optim import OptimConfig
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.model.metadata import ParamInfo, param_info
 from glm5_jax.tree_paths import path_names, path_string
-from glm5_jax.train.muon_layerwise import scale_by_muon_layerwise
+from glm5_jax.train.muon_layerwise import fans, scale_by_muon_layerwise
 from glm5_jax.train.schedules import warmup_then_decay
 
 # Matrices AdamW keeps whatever the optimizer: the embedding and LM head (a "vocab" dim) and the router.
@@ -109,13 +109,6 @@ def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool,
     if split and "heads" in info.axes:  # q_b_proj / kv_b_proj [.., in, H, out]: one matrix per head
         return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])
-
-
-def _fans(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
-    as_tuple = lambda axes: (axes,) if isinstance(axes, int) else tuple(axes)
-    fan_in = math.prod(shape[a] for a in as_tuple(dims.reduction_axis))
-    fan_out = math.prod(shape[a] for a in as_tuple(dims.output_axis))
-    return fan_in, fan_out
 
 
 def _kv_up_projections(params, labels, config: ModelConfig) -> frozenset[str]:
@@ -199,7 +192,7 @@ def _scale_to_rms(dims_fn: Callable, rms: float) -> optax.GradientTransformation
     def update_fn(updates, state, params=None):
         del params
         scaled = jax.tree.map(
-            lambda u, dims: u * (rms * math.sqrt(max(_fans(u.shape, dims)))),
+            lambda u, dims: u * (rms * math.sqrt(max(fans(u.shape, dims)))),
             updates, dims_fn(updates), is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
         return scaled, state
     return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
+from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.model.mtp import shift_within_segment
 from glm5_jax.model.token_logprobs import token_logprobs
 
@@ -42,10 +43,13 @@ def mtp_cross_entropy(mtp_hidden: jax.Array, lm_head_kernel: jax.Array, tokens: 
     depth = mtp_hidden.shape[0]
     targets, weight = jax.vmap(lambda k: next_token_targets(tokens, segment_ids, loss_mask, shift=k))(
         jnp.arange(2, depth + 2))
-    # Depths join the batch as its minor part: [D, B, S] -> [B*D, S] keeps the batch split (each device's rows
-    # stay contiguous blocks) and the sequence split over `context`, so every device computes the loss of its
-    # own tokens only ([D*B] would mix batch shards; [B, D*S] would interleave the sequence's shares).
-    flat = lambda a: rearrange(a, "d b s ... -> (b d) s ...")  # noqa: E731
+    # Depths join the sequence, [D, B, S] -> [B, D*S]: the (sharded) batch dim stays leading, so every device
+    # computes the loss of its own rows only ([D*B] would mix batch shards). Under a `context` split that would
+    # interleave the sequence's shares, so there depths join the batch as its minor part, [B*D, S]. Both hold
+    # the tokens in the same order, but XLA sums over them in another order: [B, D*S] wherever it works keeps
+    # the loss bit-exact with runs (and checkpoints) made before the split existed.
+    layout = "(b d) s" if context_split(mesh) > 1 else "b (d s)"
+    flat = lambda a: rearrange(a, f"d b s ... -> {layout} ...")  # noqa: E731
     logp, _ = token_logprobs(flat(mtp_hidden), lm_head_kernel, flat(targets), vocab_chunk=vocab_chunk, mesh=mesh)
     weight = flat(weight)
     return -(logp * weight).sum(), weight.sum()

@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import os
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,6 +16,7 @@ from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.model.transformer import init
 from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.tensorboard import read_scalars
+from fixtures.run_before_issue28.make_fixture import leaf_digests
 
 MODEL = dict(vocab_size=288, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
              num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -59,6 +63,28 @@ def test_train_2n_equals_n_then_resume_n(tmp_path):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
     tags = {tag for _, tag, _ in read_scalars(straight / "tb")}
     assert {"loss", "lm_loss", "tokens_per_s", "grad_norm"} <= tags
+
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_before_issue28"
+
+
+@pytest.mark.slow
+def test_a_run_written_before_the_refactor_resumes_bit_exactly(tmp_path, monkeypatch):
+    """A 2-step Muon run (with MTP) written by d073238, the code before issue 28's refactor, resumes under this
+    code to the losses and step-4 parameters, bit for bit, of d073238's own uninterrupted 4-step run
+    (`make_fixture.py` there says how both were made, under this suite's XLA flags). Checks the checkpoint format,
+    the data position, and that the step's arithmetic is unchanged."""
+    spec = json.loads((FIXTURE / "experiment.json").read_text())
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    assert os.environ.get("XLA_FLAGS", "") == expected["xla_flags"], (
+        "the suite's XLA flags changed since the fixture was made, and bits depend on them: rerun make_fixture.py")
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)  # the experiment's paths are relative
+    summary = run(experiment_from_dict(spec), log=lambda _: None)
+    assert summary["resumed_from"] == 2
+    assert _losses(tmp_path / "run") == expected["losses"]
+    like = init(ModelConfig(**spec["model"]), jax.random.key(0))
+    assert leaf_digests(_params(tmp_path / "run", like)) == expected["params_sha256"]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from pallas_kernels import (
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
+    sparse_mla_attention_with_target,
 )
 
 
@@ -67,6 +68,13 @@ def entry_points(shape: Shapes, dtype) -> dict:
         out, lse = attention(q, latent, indices)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
 
+    with_target = functools.partial(sparse_mla_attention_with_target, scale=scale, kv_lora_rank=shape.latent_dim,
+                                    block_n=shape.block_n, bwd_query_chunk=shape.bwd_query_chunk, **compiled)
+
+    def with_target_loss(q, latent, indices):  # gradients through out and lse; the target a constant
+        out, lse, target = with_target(q, latent, indices)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse)) + jnp.sum(target)
+
     def scores_loss(q, k, w, qs, ks):
         return jnp.sum(jnp.sin(indexer_scores(q, k, w, block_t=shape.block_t, **masks(qs, ks), **compiled)))
 
@@ -83,6 +91,8 @@ def entry_points(shape: Shapes, dtype) -> dict:
     return {
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
         "sparse_mla_backward": (grad(attention_loss, 2), (q, latent, indices), 2),  # recomputed forward + bwd
+        "sparse_mla_with_target_forward": (with_target, (q, latent, indices), 1),
+        "sparse_mla_with_target_backward": (grad(with_target_loss, 2), (q, latent, indices), 2),
         "indexer_scores_with_backward": (grad(scores_loss, 3), (q_index, k_index, weights, q_seg, k_seg), 1),
         "indexer_topk": (topk, (q_index, k_index, weights, q_seg, k_seg), 1),
         "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),

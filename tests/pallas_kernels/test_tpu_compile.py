@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes
+from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes, on_chip
 
 from pallas_kernels import (
     dense_attention_target,
@@ -120,3 +121,23 @@ def test_mosaic_kernel_compiles_for_tpu(chip, name):
     assert "triton" not in compiled.as_text()
     # 0 where XLA placed a small call's operands in VMEM already (no pipeline buffers needed).
     assert max(vmem) < SCOPED_VMEM_LIMIT, vmem
+
+
+def _declared_costs(fn, args, chip: str) -> list[dict[str, int]]:
+    """The `pl.CostEstimate` of each Mosaic kernel in `fn`'s lowered (not compiled) module."""
+    text = jax.jit(fn).trace(*on_chip(args, chip)).lower().as_text()
+    return [{key: int(value) for key, value in re.findall(r"\\22(\w+)\\22:(\d+)", estimate)}
+            for estimate in re.findall(r"cost_estimate\\22: \{(.*?)\}", text)]
+
+
+@pytest.mark.tpu_aot
+def test_forward_with_target_declares_the_target_work():
+    """The forward that writes the KL target declares the plain forward's cost plus the target's: per query and
+    (padded head, slot) 2 FLOPs and one exp, and its fp32 output [B, S, N]."""
+    points = entry_points(GLM5, jnp.bfloat16)
+    (plain,), (fused,) = (_declared_costs(*points[name][:2], "v5p")
+                          for name in ("sparse_mla_forward", "sparse_mla_with_target_forward"))
+    scores = GLM5.batch * GLM5.q_len * GLM5.heads * GLM5.slots  # 64 heads: no head padding
+    assert fused["flops"] - plain["flops"] == 2 * scores
+    assert fused["transcendentals"] - plain["transcendentals"] == scores
+    assert fused["bytes_accessed"] - plain["bytes_accessed"] == 4 * GLM5.batch * GLM5.q_len * GLM5.slots

@@ -3,6 +3,7 @@ each chip by XLA's TPU compiler and libtpu's Mosaic compiler (libtpu describes t
 glm5_jax/parallel/topology.py), and the compiled module reports its memory and cost.
 
     python benchmarks/tpu_kernels_aot.py [--chips v5p v6e] [--seq 4096] [--long 16384 65536 131072 202752]
+                                         [--skip-kernels]
 
 Per kernel and chip (GLM-5 shapes: H 64, C 512, R 64, N 2048, indexer 32 x 128; bf16; B 1, S = T = --seq):
   - VMEM: the largest scoped VMEM libtpu allotted to one Mosaic kernel of the module (its pipeline buffers
@@ -120,7 +121,8 @@ def _attention_grad(q, latent, indices):
 def _attention_then_target(q, latent, indices):
     """The sparse stage's attention forward and KL target as two kernels: the target gathers the rows again."""
     out, lse = sparse_mla_attention(q, latent, indices, scale=SCALE, kv_lora_rank=C, **TPU)
-    return out, sparse_attention_target(q, latent, indices, lse, scale=SCALE, **TPU)
+    constant = jax.lax.stop_gradient
+    return out, sparse_attention_target(constant(q), constant(latent), indices, constant(lse), scale=SCALE, **TPU)
 
 
 def _attention_with_target(q, latent, indices):
@@ -265,6 +267,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=4096, help="S = T of the per-kernel table (>= N = 2048)")
     parser.add_argument("--long", type=int, nargs="*", default=[65536],
                         help="S = T of the DSA vs dense comparisons (one table each; none to skip)")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the --long tables")
     args = parser.parse_args(argv)
     for name, value in [("--seq", args.seq)] + [("--long", n) for n in args.long]:
         if value < N or value % CHUNK:
@@ -272,7 +275,9 @@ def main(argv=None) -> None:
     started = time.time()
     print(f"jax {jax.__version__}, libtpu {_libtpu_version()}, chips {args.chips}; full-size modules, every loop "
           f"trip counted\n")
-    sections = [("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases, args.seq)] + [
+    kernels = [] if args.skip_kernels else [("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases,
+                                             args.seq)]
+    sections = kernels + [
         ("DSA vs dense attention, one layer's training step, S = T = %d" % n, long_cases, n) for n in args.long]
     for title, cases, length in sections:
         rows = []

@@ -5,7 +5,9 @@ rows reach the kernel. Mosaic has no pointer gathers, so the latent stays in HBM
 each program (one query, its H heads as matmul rows) copies its selected rows into a VMEM scratch with one
 DMA per row, block_n rows per block, reading the row numbers as scalars from its [N/block_n, block_n]
 block of indices in SMEM. Invalid slots (-1 or >= T) copy row 0 and are masked in the logits. The gathers
-are double-buffered: block j+1's DMAs are started before block j is computed.
+are double-buffered: block j+1's DMAs are started before block j is computed. The forward can also write the
+sparse KL target (`tpu_sparse_mla_with_target`) from the logits it keeps in VMEM, so the rows are gathered once
+for both; `tpu_sparse_target` is the stand-alone target, which gathers them again.
 
 TPU layout: the latent row is one lane-padded width W = C+R rounded up to 128 (GLM-5: 576 -> 640), values
 are its first V = min(C rounded up to 128, W) columns, heads are padded to a multiple of 16 (bf16 sublane

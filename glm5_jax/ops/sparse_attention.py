@@ -5,9 +5,9 @@ Every head of a query attends over the same selected rows [c ; k_rope] (width C 
 q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
 `pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
 kernels are `pallas_kernels.sparse_mla_attention` (with the sparse target: `sparse_mla_attention_with_target`,
-which on TPU computes it in the attention's own forward) and the dense target kernel. Both run under `context_local`: each
-chip's queries over the rows all-gathered over `context` (indices are global), the kernels always on each
-device's own rows (`shard_map`), since GSPMD cannot partition a Mosaic kernel.
+which on TPU computes it in the attention's own forward) and the dense target kernel. Both run under
+`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global), the kernels
+always on each device's own rows (`shard_map`), since GSPMD cannot partition a Mosaic kernel.
 `cache_attention` reads a decoding cache; under a `context` split of its slots, whole new tokens (decode) are
 attended by each chip over the selected rows it owns, and the partial outputs merge by their log-sum-exp."""
 

@@ -1,6 +1,7 @@
 """The Mosaic TPU kernels (platform="tpu") in TPU interpret mode (DMAs, semaphores, SMEM) against the jnp
 references: sparse MLA forward and gradients, the sparse and dense KL targets, the forward with the sparse
-target fused in, indexer scores and top-k, and the platform keyword. Shapes are tiny: TPU interpret mode runs every DMA through a host callback."""
+target fused in, indexer scores and top-k, and the platform keyword. Shapes are tiny: TPU interpret mode runs
+every DMA through a host callback."""
 
 import jax
 import jax.numpy as jnp

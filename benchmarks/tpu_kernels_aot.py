@@ -3,6 +3,7 @@ each chip by XLA's TPU compiler and libtpu's Mosaic compiler (libtpu describes t
 glm5_jax/parallel/topology.py), and the compiled module reports its memory and cost.
 
     python benchmarks/tpu_kernels_aot.py [--chips v5p v6e] [--seq 4096] [--long 16384 65536 131072 202752]
+                                         [--skip-kernels]
 
 Per kernel and chip (GLM-5 shapes: H 64, C 512, R 64, N 2048, indexer 32 x 128; bf16; B 1, S = T = --seq):
   - VMEM: the largest scoped VMEM libtpu allotted to one Mosaic kernel of the module (its pipeline buffers
@@ -28,6 +29,10 @@ backward) against the dense attention it replaces, compiled the same way: JAX's 
 (H 64, qk 192 + 64 = 256, v 256). The dense XLA attention of the model (a materialised [B, H, S, T] matrix,
 1 TiB at 64K) is not a candidate there. Its FLOPs column is XLA's; "model FLOPs" counts the useful work
 analytically (causal: half of S x T).
+
+Both tables also show DSA's sparse training stage, whose indexer KL needs the attention's head-mean
+probabilities at the selected rows: as two kernels (the sparse MLA forward, then `sparse_attention_target`
+gathering the same rows again from its lse) and as one (`sparse_mla_attention_with_target`, since 2026-12-02).
 
 Prints a markdown table per section. Nothing runs: no TPU is needed, only libtpu (the test extra).
 """
@@ -57,6 +62,7 @@ from pallas_kernels import (  # noqa: E402
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
+    sparse_mla_attention_with_target,
 )
 
 # HBM bandwidth per chip, bytes/s (Cloud TPU documentation); topology.CHIPS has HBM size and peak FLOP/s only.
@@ -112,6 +118,31 @@ def _attention_grad(q, latent, indices):
     return jax.grad(loss, argnums=(0, 1))(q, latent)
 
 
+def _attention_then_target(q, latent, indices):
+    """The sparse stage's attention forward and KL target as two kernels: the target gathers the rows again."""
+    out, lse = sparse_mla_attention(q, latent, indices, scale=SCALE, kv_lora_rank=C, **TPU)
+    constant = jax.lax.stop_gradient
+    return out, sparse_attention_target(constant(q), constant(latent), indices, constant(lse), scale=SCALE, **TPU)
+
+
+def _attention_with_target(q, latent, indices):
+    """The same from one kernel (one gather): `sparse_mla_attention_with_target`."""
+    out, _, target = sparse_mla_attention_with_target(q, latent, indices, scale=SCALE, kv_lora_rank=C, **TPU)
+    return out, target
+
+
+def _sparse_stage_grad(attend):
+    """Gradients of a loss on the attention output, with the target computed (and returned) alongside."""
+    def grads(q, latent, indices):
+        def loss(q, latent):
+            out, target = attend(q, latent, indices)
+            return jnp.sum(out.astype(F32)), target
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(q, latent)
+
+    return grads
+
+
 def _scores_grad(q, k, w):
     return jax.grad(lambda q, k, w: jnp.sum(jnp.sin(indexer_scores(q, k, w, block_t=128, **TPU))),
                     argnums=(0, 1, 2))(q, k, w)
@@ -121,6 +152,16 @@ def _dsa_training(q, latent, q_index, k_index, weights):
     """What DSA attention costs one layer of a training step: top-k selection, sparse MLA forward + backward."""
     indices, _ = indexer_topk(q_index, k_index, weights, topk=N, block_t=128, **TPU)
     return _attention_grad(q, latent, jax.lax.stop_gradient(indices))
+
+
+def _dsa_sparse_stage(attend):
+    """DSA's sparse training stage per layer: top-k, then the attention forward + backward and the KL target,
+    by `attend` (two kernels or one)."""
+    def stage(q, latent, q_index, k_index, weights):
+        indices, _ = indexer_topk(q_index, k_index, weights, topk=N, block_t=128, **TPU)
+        return _sparse_stage_grad(attend)(q, latent, jax.lax.stop_gradient(indices))
+
+    return stage
 
 
 def _flash_training(q, k, v):
@@ -157,6 +198,15 @@ def kernel_cases(q_len: int, k_len: int) -> dict:
             2 * q_len * N * H * (C + R)),
         "dense_attention_target": (lambda q, l: dense_attention_target(q, l, scale=SCALE, block_t=128, **TPU),
                                    (q, latent), 2 * dense),
+        # The sparse DSA stage's attention with its KL target: two kernels (two gathers) against one.
+        "sparse_mla forward, then sparse_attention_target": (_attention_then_target, (q, latent, indices),
+                                                             sparse_fwd + 2 * q_len * N * H * (C + R)),
+        "sparse_mla_attention_with_target forward": (_attention_with_target, (q, latent, indices), sparse_fwd),
+        "sparse_mla fwd+bwd, then sparse_attention_target": (_sparse_stage_grad(_attention_then_target),
+                                                             (q, latent, indices),
+                                                             sparse_fwd + sparse_bwd + 2 * q_len * N * H * (C + R)),
+        "sparse_mla_attention_with_target fwd+bwd": (_sparse_stage_grad(_attention_with_target),
+                                                     (q, latent, indices), sparse_fwd + sparse_bwd),
     }
 
 
@@ -166,10 +216,14 @@ def long_cases(q_len: int, k_len: int) -> dict:
     dsa = (2 * q_len * N * H * ((C + R + C) + 3 * (C + R) + 2 * C)  # sparse MLA forward + backward
            + 2 * causal_pairs * I * J)  # indexer scores
     dense_fwd = 2 * causal_pairs * H * (QK_DENSE + V_DENSE)
+    dsa_args = (sds((1, q_len, H, C + R), BF16), sds((1, k_len, C + R), BF16), sds((1, q_len, I, J), BF16),
+                sds((1, k_len, J), BF16), sds((1, q_len, I), F32))
     return {
-        "DSA: indexer top-k + sparse MLA fwd+bwd": (
-            _dsa_training, (sds((1, q_len, H, C + R), BF16), sds((1, k_len, C + R), BF16),
-                            sds((1, q_len, I, J), BF16), sds((1, k_len, J), BF16), sds((1, q_len, I), F32)), dsa),
+        "DSA: indexer top-k + sparse MLA fwd+bwd": (_dsa_training, dsa_args, dsa),
+        "DSA sparse stage, two kernels: top-k + sparse MLA fwd+bwd + KL target": (
+            _dsa_sparse_stage(_attention_then_target), dsa_args, dsa + 2 * q_len * N * H * (C + R)),
+        "DSA sparse stage, target fused: top-k + sparse MLA with target fwd+bwd": (
+            _dsa_sparse_stage(_attention_with_target), dsa_args, dsa),
         "dense: flash attention fwd+bwd (causal)": (
             _flash_training, (sds((1, H, q_len, QK_DENSE), BF16), sds((1, H, k_len, QK_DENSE), BF16),
                               sds((1, H, k_len, V_DENSE), BF16)), 3.5 * dense_fwd),
@@ -213,6 +267,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=4096, help="S = T of the per-kernel table (>= N = 2048)")
     parser.add_argument("--long", type=int, nargs="*", default=[65536],
                         help="S = T of the DSA vs dense comparisons (one table each; none to skip)")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the --long tables")
     args = parser.parse_args(argv)
     for name, value in [("--seq", args.seq)] + [("--long", n) for n in args.long]:
         if value < N or value % CHUNK:
@@ -220,7 +275,9 @@ def main(argv=None) -> None:
     started = time.time()
     print(f"jax {jax.__version__}, libtpu {_libtpu_version()}, chips {args.chips}; full-size modules, every loop "
           f"trip counted\n")
-    sections = [("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases, args.seq)] + [
+    kernels = [] if args.skip_kernels else [("Kernels at GLM-5 shapes, S = T = %d, bf16" % args.seq, kernel_cases,
+                                             args.seq)]
+    sections = kernels + [
         ("DSA vs dense attention, one layer's training step, S = T = %d" % n, long_cases, n) for n in args.long]
     for title, cases, length in sections:
         rows = []

@@ -1,5 +1,6 @@
 """Pallas kernels for DeepSeek Sparse Attention (GLM-5): sparse MLA attention (forward + backward), the
-lightning indexer's scores and top-k, and the indexer KL targets. Each has a jnp reference of the same
+lightning indexer's scores and top-k, and the indexer KL targets (the sparse one also fused into the
+attention's forward, `sparse_mla_attention_with_target`). Each has a jnp reference of the same
 signature in `pallas_kernels.reference`; the attention's and the indexer's are the jnp code the model runs
 without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`; `masks` says which
 keys a query sees). See README.md in this folder for memory bounds and tie-breaking.
@@ -11,6 +12,7 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.indexer_kl_target import dense_attention_target, sparse_attention_target
 from pallas_kernels.indexer_topk import indexer_scores, indexer_topk
 from pallas_kernels.sparse_mla import sparse_mla_attention
+from pallas_kernels.sparse_mla_target import sparse_mla_attention_with_target
 
 __all__ = [
     "NEG_INF",
@@ -20,4 +22,5 @@ __all__ = [
     "indexer_topk",
     "sparse_attention_target",
     "sparse_mla_attention",
+    "sparse_mla_attention_with_target",
 ]

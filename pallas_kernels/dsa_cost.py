@@ -62,6 +62,12 @@ def sparse_target_flops(heads: int, slots: int, width: int) -> int:
     return 2 * heads * slots * width
 
 
+def sparse_target_from_scores_flops(heads: int, slots: int) -> int:
+    """One query's sparse KL target from logits already computed (the fused forward): per logit a subtraction
+    of its head's lse and an add into the head sum (its exp is a transcendental)."""
+    return 2 * heads * slots
+
+
 def gathered_rows_cost(programs: int, row_bytes: int, moved_bytes: int, *, flops: int,
                        transcendentals: int) -> KernelCost:
     """A row-gathering kernel with one program per query: per-program `flops` / `transcendentals` times the

@@ -85,6 +85,16 @@ def sparse_attention_target_reference(q, latent, indices, lse, *, scale, block_n
     return _l1_normalise(jnp.sum(p, axis=2))
 
 
+def sparse_mla_attention_with_target_reference(q, latent, indices, *, scale, kv_lora_rank, precision=HIGHEST,
+                                               block_n=64, bwd_query_chunk=512, interpret=None):
+    """(out, lse) of `sparse_mla_attention_reference` and the sparse target from that lse (a constant)."""
+    out, lse = sparse_mla_attention_reference(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank,
+                                              precision=precision)
+    target = sparse_attention_target_reference(*(lax.stop_gradient(x) for x in (q, latent)), indices,
+                                               lax.stop_gradient(lse), scale=scale)
+    return out, lse, target
+
+
 def dense_attention_target_reference(q, latent, *, scale, q_segment_ids=None, k_segment_ids=None, q_offset=0,
                                      block_s=None, block_t=64, interpret=None):
     """The same over every visible key: the head mean of the dense softmax (`dense_target`, the model's own

@@ -5,7 +5,9 @@ rows reach the kernel. Mosaic has no pointer gathers, so the latent stays in HBM
 each program (one query, its H heads as matmul rows) copies its selected rows into a VMEM scratch with one
 DMA per row, block_n rows per block, reading the row numbers as scalars from its [N/block_n, block_n]
 block of indices in SMEM. Invalid slots (-1 or >= T) copy row 0 and are masked in the logits. The gathers
-are double-buffered: block j+1's DMAs are started before block j is computed.
+are double-buffered: block j+1's DMAs are started before block j is computed. The forward can also write the
+sparse KL target (`tpu_sparse_mla_with_target`) from the logits it keeps in VMEM, so the rows are gathered once
+for both; `tpu_sparse_target` is the stand-alone target, which gathers them again.
 
 TPU layout: the latent row is one lane-padded width W = C+R rounded up to 128 (GLM-5: 576 -> 640), values
 are its first V = min(C rounded up to 128, W) columns, heads are padded to a multiple of 16 (bf16 sublane
@@ -35,6 +37,7 @@ from pallas_kernels.dsa_cost import (
     sparse_mla_backward_flops,
     sparse_mla_forward_flops,
     sparse_target_flops,
+    sparse_target_from_scores_flops,
 )
 from pallas_kernels.mla_layout import MlaLayout, backward_shift, chunked_backward, pad_indices
 
@@ -192,15 +195,21 @@ def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inte
     )(idx, idx, latent, *per_query)
 
 
-def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, buf, sem, *, scale, values):
+def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, scale, values, heads):
+    """One query's out [Hp, V] and lse [Hp, 1]; with the KL target (refs = target_ref, buf, sem, scores), also
+    sum_h exp(logit - lse_h) / H at every slot, from the logits kept in `scores` [Np/block_n, Hp, block_n]
+    (fp32, GLM-5: 512 KiB) as the row blocks arrive: the rows are gathered once for both. `heads`: the real H."""
+    target_ref, buf, sem, scores = refs if len(refs) == 4 else (None, *refs, None)
     num_keys = lat_hbm.shape[1]
     q = q_ref[...]  # [Hp, W]
-    heads = q.shape[0]
+    heads_padded = q.shape[0]
 
     def body(j, rows, carry):
         row_max, row_sum, acc = carry
         valid = _valid_slots(idx_ref, j, num_keys)
         logits = jnp.where(valid, dot_nt(q, rows) * scale, NEG_INF)  # [Hp, block_n]
+        if scores is not None:
+            scores[j] = logits
         new_max = jnp.maximum(row_max, jnp.max(logits, axis=1, keepdims=True))
         # where(), not exp alone: while a row has seen no valid slot, logits - new_max is 0 there.
         p = jnp.where(valid, jnp.exp(logits - new_max), 0.0)
@@ -209,13 +218,28 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, buf, se
         acc = acc * rescale + dot_nn(p.astype(rows.dtype), rows[:, :values])
         return new_max, row_sum, acc
 
-    init = (jnp.full((heads, 1), NEG_INF, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
-            jnp.zeros((heads, values), jnp.float32))
+    init = (jnp.full((heads_padded, 1), NEG_INF, jnp.float32), jnp.zeros((heads_padded, 1), jnp.float32),
+            jnp.zeros((heads_padded, values), jnp.float32))
     row_max, row_sum, acc = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, q)
     has_valid = row_sum > 0
     safe_sum = jnp.where(has_valid, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(has_valid, row_max + jnp.log(safe_sum), NEG_INF)
+    lse = jnp.where(has_valid, row_max + jnp.log(safe_sum), NEG_INF)
+    lse_ref[...] = lse
+    if target_ref is None:
+        return
+    # Padded heads and a query without valid slots take lse +1e30, so exp() gives them 0 everywhere; invalid
+    # slots hold logits -1e30, 0 as well. Each real head sums to 1 over the valid slots: dividing by H
+    # L1-normalises the head sum.
+    counted = has_valid & (lax.broadcasted_iota(jnp.int32, (heads_padded, 1), 0) < heads)
+    target_lse = jnp.where(counted, lse, -NEG_INF)
+
+    def write_target(j, carry):
+        p = jnp.exp(scores[j] - target_lse)  # [Hp, block_n]
+        target_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True) * (1.0 / heads)
+        return carry
+
+    lax.fori_loop(0, scores.shape[0], write_target, 0)
 
 
 def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_ref, dq_ref, dk_hbm, buf, sem,
@@ -258,19 +282,30 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
 
 
-def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool):
+def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with_target: bool = False):
+    """(out, lse), and with_target the KL target [B, S, N] fp32 (L1-normalised head sum) from the same program."""
     sizes = TpuSizes.of(layout)
     q_p = pad_queries(q, sizes)
     batch, q_len = q.shape[:2]
-    out, lse = _gather_call(
-        functools.partial(_forward_kernel, scale=scale, values=sizes.values),
-        block_indices(indices, layout), latent_rows(latent, sizes), [q_p],
-        [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
-         ((batch, q_len, sizes.heads, 1), jnp.float32, False)],
-        interpret=interpret,
-        flops=sparse_mla_forward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values),
-        transcendentals=sizes.heads * layout.slots_padded)
-    return out[:, :, : layout.heads, : layout.latent_dim], lse[:, :, : layout.heads, 0]
+    idx = block_indices(indices, layout)
+    outputs = [((batch, q_len, sizes.heads, sizes.values), q.dtype, False),
+               ((batch, q_len, sizes.heads, 1), jnp.float32, False)]
+    flops = sparse_mla_forward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values)
+    transcendentals, scratch = sizes.heads * layout.slots_padded, []
+    if with_target:
+        outputs.append((idx.shape, jnp.float32, False))
+        flops += sparse_target_from_scores_flops(sizes.heads, layout.slots_padded)
+        transcendentals += sizes.heads * layout.slots_padded
+        scratch.append(pltpu.VMEM((idx.shape[2], sizes.heads, layout.block_n), jnp.float32))
+    results = _gather_call(
+        functools.partial(_forward_kernel, scale=scale, values=sizes.values, heads=layout.heads),
+        idx, latent_rows(latent, sizes), [q_p], outputs, scratch=scratch, interpret=interpret, flops=flops,
+        transcendentals=transcendentals)
+    out, lse = results[0][:, :, : layout.heads, : layout.latent_dim], results[1][:, :, : layout.heads, 0]
+    if not with_target:
+        return out, lse
+    target = results[2]
+    return out, lse, target.reshape(*target.shape[:2], -1)[:, :, : layout.num_slots]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -315,6 +350,26 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
 
 
 tpu_sparse_mla.defvjp(_tpu_sparse_mla_fwd, _tpu_sparse_mla_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def tpu_sparse_mla_with_target(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    """`tpu_sparse_mla` that also returns the sparse KL target from the same program (one gather of the rows);
+    the target is a constant: its cotangent is dropped and the backward is `tpu_sparse_mla`'s."""
+    return _forward(q, latent, indices, scale, layout, interpret, with_target=True)
+
+
+def _tpu_sparse_mla_with_target_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+    out, lse, target = _forward(q, latent, indices, scale, layout, interpret, with_target=True)
+    return (out, lse, target), (q, latent, indices, out, lse)
+
+
+def _tpu_sparse_mla_with_target_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+    d_out, d_lse, _ = cotangents
+    return _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, (d_out, d_lse))
+
+
+tpu_sparse_mla_with_target.defvjp(_tpu_sparse_mla_with_target_fwd, _tpu_sparse_mla_with_target_bwd)
 
 
 def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale):

@@ -54,7 +54,9 @@ EXPERT_MATMUL_NAMES = ("expert_gate", "expert_up")
 # module. Keeping them spares the backward pass a re-run of the forward kernel (its 2048-row gather per query).
 SPARSE_MLA_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_kernel", "tpu_sparse_mla.py"))
 # The DSA sparse stage's KL target (head-mean attention probabilities at the selected keys, fp32 [B, S, N]): a
-# constant of the indexer's KL gradient, so without it the backward re-runs the target kernel's row gather.
+# constant of the indexer's KL gradient, so without it the backward re-runs the target kernel's row gather (GPU).
+# On TPU the sparse MLA forward kernel writes the target itself and the backward re-runs that kernel anyway (for
+# its residuals), so keeping the target spares nothing there: `full` measured less memory and no more traffic.
 DSA_TARGET_NAMES = ("dsa_target",)
 
 

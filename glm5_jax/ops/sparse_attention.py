@@ -4,9 +4,10 @@ place, with the indexer KL's targets (head-mean attention probabilities) for DSA
 Every head of a query attends over the same selected rows [c ; k_rope] (width C + R) of `rows` [B, T, C+R];
 q [B, S, H, C+R] are the absorbed queries, indices [B, S, N] (-1 = unused slot). The jnp path is
 `pallas_kernels.sparse_latent.sparse_latent_attention` (its forward also yields the sparse target); the
-kernels are `pallas_kernels.sparse_mla_attention` and the target kernels. Both run under `context_local`: each
-chip's queries over the rows all-gathered over `context` (indices are global), the kernels always on each
-device's own rows (`shard_map`), since GSPMD cannot partition a Mosaic kernel.
+kernels are `pallas_kernels.sparse_mla_attention` (with the sparse target: `sparse_mla_attention_with_target`,
+which on TPU computes it in the attention's own forward) and the dense target kernel. Both run under
+`context_local`: each chip's queries over the rows all-gathered over `context` (indices are global), the kernels
+always on each device's own rows (`shard_map`), since GSPMD cannot partition a Mosaic kernel.
 `cache_attention` reads a decoding cache; under a `context` split of its slots, whole new tokens (decode) are
 attended by each chip over the selected rows it owns, and the partial outputs merge by their log-sum-exp."""
 
@@ -22,7 +23,7 @@ from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
 from glm5_jax.distributed.context_order import declared_offset
 from glm5_jax.ops.platform import uses_kernels
-from pallas_kernels import dense_attention_target, sparse_attention_target, sparse_mla_attention
+from pallas_kernels import dense_attention_target, sparse_mla_attention, sparse_mla_attention_with_target
 from pallas_kernels.sparse_latent import sparse_latent_attention
 
 
@@ -79,8 +80,9 @@ def _jnp_attention(q, rows, indices, config: ModelConfig):
 def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
                                  mesh=None) -> tuple[jax.Array, jax.Array]:
     """(latent output [B, S, H, C], the head-mean probabilities at the selected keys [B, S, N] fp32, a constant).
-    The jnp path returns the target from its forward pass; the kernels rebuild it from the lse. Neither keeps
-    gathered rows for the backward."""
+    The jnp path returns the target from its forward pass; the kernels from theirs too on TPU (one gather of the
+    selected rows for both), on GPU from a second kernel over the lse (`sparse_mla_attention_with_target`).
+    Neither keeps gathered rows for the backward."""
     if not uses_kernels(config):
         def jnp_path(_, q, indices, rows):
             latent, _, target = _jnp_attention(q, rows, indices, config)
@@ -88,10 +90,9 @@ def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Arr
         return context_local(jnp_path, mesh, (q, indices), (rows,))
 
     def kernels(_, q, indices, rows):
-        latent, lse = _kernel_attention(q, rows, indices, config)
-        target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows), indices,
-                                         jax.lax.stop_gradient(lse), scale=config.softmax_scale,
-                                         **config.pallas_options)
+        latent, _, target = sparse_mla_attention_with_target(q, rows, indices, scale=config.softmax_scale,
+                                                             kv_lora_rank=config.kv_lora_rank,
+                                                             **config.pallas_options)
         return latent, target
 
     return context_local(kernels, mesh, (q, indices), (rows,), local_rows=True)

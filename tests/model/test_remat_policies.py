@@ -1,8 +1,9 @@
 """Remat policies that keep parts of DSA's forward pass (`config.REMAT_POLICIES`): they change only what the
 backward pass recomputes, never a value, and they keep what they say. `full_keep_dsa_target` keeps the sparse
-stage's KL target (so the backward does not re-run the target kernel's row gathers); `full_keep_attention` also
-keeps the sparse MLA forward kernel's outputs, its custom VJP's residuals (so the backward does not re-run the
-forward kernel). The kernels' calls are counted in the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
+stage's KL target (so on GPU the backward does not re-run the target kernel's row gathers; on TPU the target comes
+from the forward kernel, which the backward re-runs anyway); `full_keep_attention` also keeps the sparse MLA forward
+kernel's outputs, its custom VJP's residuals (so the backward does not re-run the forward kernel). The kernels'
+calls are counted in the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,15 @@ def test_keep_attention_spares_the_backward_the_forward_kernel():
     assert full["_forward_kernel"] > none["_forward_kernel"] > 0, (full, none)
     assert keep["_forward_kernel"] == none["_forward_kernel"], (keep, none)
     assert keep["_backward_kernel"] == full["_backward_kernel"] == none["_backward_kernel"] > 0
+
+
+def test_on_tpu_the_target_is_written_by_the_forward_kernel():
+    """No stand-alone target kernel on TPU: the forward kernel writes the KL target, so keeping it
+    (`full_keep_dsa_target`) spares no kernel run against `full` (the backward re-runs the forward kernel for its
+    residuals either way)."""
+    full, keep = (_gradient_kernels(p) for p in ("full", "full_keep_dsa_target"))
+    assert "_target_kernel" not in full and "_target_kernel" not in keep, (full, keep)
+    assert full == keep and full["_forward_kernel"] > 0, (full, keep)
 
 
 def _saved(policy: str, capsys) -> list[str]:

@@ -15,6 +15,7 @@ from pallas_kernels.dsa_cost import (
     sparse_mla_backward_flops,
     sparse_mla_forward_flops,
     sparse_target_flops,
+    sparse_target_from_scores_flops,
 )
 
 
@@ -40,6 +41,8 @@ def test_sparse_mla_flops_per_query():
     # value rows [3, 2] x [2, 4].
     assert sparse_mla_backward_flops(heads, slots, width, values) == 2 * (30 + 24 + 30 + 30 + 24)
     assert sparse_target_flops(heads, slots, width) == 2 * 30
+    # From logits already computed (the forward with the target): subtract the lse, add into the head sum.
+    assert sparse_target_from_scores_flops(heads, slots) == 2 * 2 * 3
 
 
 def test_costs_add_per_program_work_and_streamed_bytes():

@@ -1,11 +1,17 @@
 """Indexer KL targets (interpret mode) against dense jnp computations: the sparse target from the sparse
-kernel's lse, the blockwise dense warm-up target, and their agreement when the selection covers every key."""
+kernel's lse, the blockwise dense warm-up target, and their agreement when the selection covers every key; the
+attention with its target (`sparse_mla_attention_with_target`) on the Triton path, which composes the two."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import dense_attention_target, sparse_attention_target
+from pallas_kernels import (
+    dense_attention_target,
+    sparse_attention_target,
+    sparse_mla_attention,
+    sparse_mla_attention_with_target,
+)
 from pallas_kernels.reference import (
     dense_attention_target_reference,
     sparse_attention_target_reference,
@@ -85,3 +91,27 @@ def test_dense_reference_matches_float64_loop():
         head_sum = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
         np.testing.assert_allclose(got[0, s, : s + 3], head_sum / head_sum.sum(), rtol=1e-5)
         assert np.all(np.asarray(got[0, s, s + 3:]) == 0)
+
+
+def test_attention_with_target_on_gpu_is_the_two_kernels():
+    """platform "gpu": out, lse and dq / d latent of sparse_mla_attention, the target sparse_attention_target's
+    from that lse, and no gradient through the target (its cotangent changes nothing)."""
+    batch, q_len, num_keys, heads, width, num_slots = 1, 3, 12, 4, 48, 8
+    q, latent = _inputs(2, batch, q_len, num_keys, heads, width)
+    indices = jax.random.randint(jax.random.key(3), (batch, q_len, num_slots), -1, num_keys + 2).astype(jnp.int32)
+    d_out = jax.random.normal(jax.random.key(4), (batch, q_len, heads, 32))
+    d_lse = jax.random.normal(jax.random.key(5), (batch, q_len, heads))
+    options = dict(scale=SCALE, kv_lora_rank=32, block_n=16, platform="gpu")
+
+    @jax.jit
+    def run(q, latent):
+        (out, lse, target), vjp = jax.vjp(lambda q_, l_: sparse_mla_attention_with_target(q_, l_, indices, **options),
+                                          q, latent)
+        (want_out, want_lse), want_vjp = jax.vjp(lambda q_, l_: sparse_mla_attention(q_, l_, indices, **options),
+                                                 q, latent)
+        want_target = sparse_attention_target(q, latent, indices, want_lse, scale=SCALE, block_n=16, platform="gpu")
+        return ((out, lse, target, *vjp((d_out, d_lse, jnp.ones_like(target)))),
+                (want_out, want_lse, want_target, *want_vjp((d_out, d_lse))))
+
+    for name, got, want in zip(("out", "lse", "target", "dq", "dlatent"), *run(q, latent)):
+        np.testing.assert_array_equal(got, want, err_msg=name)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import NEG_INF, sparse_mla_attention
+from pallas_kernels import NEG_INF, sparse_mla_attention, sparse_mla_attention_with_target
 from pallas_kernels.reference import sparse_mla_attention_reference
 
 
@@ -140,13 +140,15 @@ def test_reference_matches_float64_loop():
     (dict(block_n=24), "block_n must be a power of two"),
     (dict(scale=-1.0), "scale must be a positive"),
     (dict(latent=jnp.zeros((1, 6, 48), jnp.bfloat16)), "latent.dtype"),
+    (dict(bwd_query_chunk=0), "bwd_query_chunk"),
 ])
-def test_bad_input_is_rejected_before_compiling(change, message):
+@pytest.mark.parametrize("entry", [sparse_mla_attention, sparse_mla_attention_with_target])
+def test_bad_input_is_rejected_before_compiling(change, message, entry):
     args = dict(q=jnp.zeros((1, 2, 4, 48)), latent=jnp.zeros((1, 6, 48)), indices=jnp.zeros((1, 2, 3), jnp.int32),
                 scale=0.1, kv_lora_rank=32, block_n=16)
     args.update(change)
     with pytest.raises(ValueError, match=message):
-        sparse_mla_attention(args.pop("q"), args.pop("latent"), args.pop("indices"), **args)
+        entry(args.pop("q"), args.pop("latent"), args.pop("indices"), **args)
 
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes
+from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes, on_chip
 
 from pallas_kernels import (
     dense_attention_target,
@@ -25,6 +26,7 @@ from pallas_kernels import (
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
+    sparse_mla_attention_with_target,
 )
 
 
@@ -67,6 +69,13 @@ def entry_points(shape: Shapes, dtype) -> dict:
         out, lse = attention(q, latent, indices)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
 
+    with_target = functools.partial(sparse_mla_attention_with_target, scale=scale, kv_lora_rank=shape.latent_dim,
+                                    block_n=shape.block_n, bwd_query_chunk=shape.bwd_query_chunk, **compiled)
+
+    def with_target_loss(q, latent, indices):  # gradients through out and lse; the target a constant
+        out, lse, target = with_target(q, latent, indices)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse)) + jnp.sum(target)
+
     def scores_loss(q, k, w, qs, ks):
         return jnp.sum(jnp.sin(indexer_scores(q, k, w, block_t=shape.block_t, **masks(qs, ks), **compiled)))
 
@@ -83,6 +92,8 @@ def entry_points(shape: Shapes, dtype) -> dict:
     return {
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
         "sparse_mla_backward": (grad(attention_loss, 2), (q, latent, indices), 2),  # recomputed forward + bwd
+        "sparse_mla_with_target_forward": (with_target, (q, latent, indices), 1),
+        "sparse_mla_with_target_backward": (grad(with_target_loss, 2), (q, latent, indices), 2),
         "indexer_scores_with_backward": (grad(scores_loss, 3), (q_index, k_index, weights, q_seg, k_seg), 1),
         "indexer_topk": (topk, (q_index, k_index, weights, q_seg, k_seg), 1),
         "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),
@@ -110,3 +121,23 @@ def test_mosaic_kernel_compiles_for_tpu(chip, name):
     assert "triton" not in compiled.as_text()
     # 0 where XLA placed a small call's operands in VMEM already (no pipeline buffers needed).
     assert max(vmem) < SCOPED_VMEM_LIMIT, vmem
+
+
+def _declared_costs(fn, args, chip: str) -> list[dict[str, int]]:
+    """The `pl.CostEstimate` of each Mosaic kernel in `fn`'s lowered (not compiled) module."""
+    text = jax.jit(fn).trace(*on_chip(args, chip)).lower().as_text()
+    return [{key: int(value) for key, value in re.findall(r"\\22(\w+)\\22:(\d+)", estimate)}
+            for estimate in re.findall(r"cost_estimate\\22: \{(.*?)\}", text)]
+
+
+@pytest.mark.tpu_aot
+def test_forward_with_target_declares_the_target_work():
+    """The forward that writes the KL target declares the plain forward's cost plus the target's: per query and
+    (padded head, slot) 2 FLOPs and one exp, and its fp32 output [B, S, N]."""
+    points = entry_points(GLM5, jnp.bfloat16)
+    (plain,), (fused,) = (_declared_costs(*points[name][:2], "v5p")
+                          for name in ("sparse_mla_forward", "sparse_mla_with_target_forward"))
+    scores = GLM5.batch * GLM5.q_len * GLM5.heads * GLM5.slots  # 64 heads: no head padding
+    assert fused["flops"] - plain["flops"] == 2 * scores
+    assert fused["transcendentals"] - plain["transcendentals"] == scores
+    assert fused["bytes_accessed"] - plain["bytes_accessed"] == 4 * GLM5.batch * GLM5.q_len * GLM5.slots

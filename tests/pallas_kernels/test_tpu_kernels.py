@@ -1,6 +1,7 @@
 """The Mosaic TPU kernels (platform="tpu") in TPU interpret mode (DMAs, semaphores, SMEM) against the jnp
-references: sparse MLA forward and gradients, the sparse and dense KL targets, indexer scores and top-k,
-and the platform keyword. Shapes are tiny: TPU interpret mode runs every DMA through a host callback."""
+references: sparse MLA forward and gradients, the sparse and dense KL targets, the forward with the sparse
+target fused in, indexer scores and top-k, and the platform keyword. Shapes are tiny: TPU interpret mode runs
+every DMA through a host callback."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from pallas_kernels import (
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
+    sparse_mla_attention_with_target,
 )
 from pallas_kernels.mla_layout import MlaLayout
 from pallas_kernels.reference import (
@@ -21,6 +23,7 @@ from pallas_kernels.reference import (
     indexer_scores_reference,
     sparse_attention_target_reference,
     sparse_mla_attention_reference,
+    sparse_mla_attention_with_target_reference,
 )
 from pallas_kernels.tpu_sparse_mla import TpuSizes, latent_rows, unpack_rows
 
@@ -72,11 +75,21 @@ def sparse_case(request):
                                                         block_n=block_n, **extra), q, latent)
             results.append((out, lse, *vjp((d_out, d_lse))))
         target = sparse_attention_target(q, latent, indices, results[1][1], scale=scale, block_n=block_n, **TPU)
-        return results, target
+        # The two-kernel composition the model ran before the fused forward: the target from the kernel's lse.
+        fused = {"pair": sparse_attention_target(q, latent, indices, results[0][1], scale=scale, block_n=block_n,
+                                                 **TPU)}
+        for name, fn, extra in (("kernel", sparse_mla_attention_with_target, dict(bwd_query_chunk=chunk, **TPU)),
+                                ("reference", sparse_mla_attention_with_target_reference, {})):
+            (out, lse, fused_target), vjp = jax.vjp(
+                lambda q_, l_: fn(q_, l_, indices, scale=scale, kv_lora_rank=c_dim, block_n=block_n, **extra),
+                q, latent)
+            # A cotangent on the target too: it must change nothing (the target is a constant).
+            fused[name] = (out, lse, fused_target, *vjp((d_out, d_lse, jnp.ones_like(fused_target))))
+        return results, target, fused
 
-    (kernel, reference), target = run(q, latent)
+    (kernel, reference), target, fused = run(q, latent)
     return dict(q=q, latent=latent, indices=indices, scale=scale, dtype=dtype, kernel=kernel,
-                reference=reference, target=target)
+                reference=reference, target=target, fused=fused)
 
 
 def test_sparse_mla_forward_and_gradients_match_reference(sparse_case):
@@ -105,6 +118,34 @@ def test_sparse_target_matches_reference(sparse_case):
     np.testing.assert_allclose(sparse_case["target"], want, **TOLERANCE[sparse_case["dtype"]])
     assert np.all(np.asarray(sparse_case["target"])[np.asarray(sparse_case["indices"]) < 0] == 0)
 
+
+
+def test_fused_target_forward_matches_the_two_kernels_and_reference(sparse_case):
+    """sparse_mla_attention_with_target: out and lse are sparse_mla_attention's, the target that of
+    sparse_attention_target from its lse and of the jnp reference (padded heads: H 1 and 4 pad to 16; slots
+    -1 and >= T; a query without valid slots), dq and d latent sparse_mla_attention's, whatever the target's
+    cotangent."""
+    tolerance = TOLERANCE[sparse_case["dtype"]]
+    kernel, fused = sparse_case["kernel"], sparse_case["fused"]["kernel"]
+    out, lse, target, dq, dlatent = fused
+    for name, got, want in (("out", out, kernel[0]), ("lse", lse, kernel[1]), ("dq", dq, kernel[2]),
+                            ("dlatent", dlatent, kernel[3])):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+    assert target.dtype == jnp.float32 and target.shape == sparse_case["indices"].shape
+    np.testing.assert_allclose(target, sparse_case["fused"]["pair"], **tolerance)
+    reference = sparse_case["fused"]["reference"]
+    for name, got, want in zip(("out", "lse", "target", "dq", "dlatent"), fused, reference):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        norm = 1.0 if name in ("out", "lse", "target") else float(np.abs(want).max())
+        np.testing.assert_allclose(got / norm, want / norm, err_msg=name, **tolerance)
+    indices = np.asarray(sparse_case["indices"])
+    invalid = (indices < 0) | (indices >= sparse_case["latent"].shape[1])
+    assert np.all(np.asarray(target)[invalid] == 0)
+    row_sums = np.asarray(target).sum(-1)
+    has_valid = (~invalid).any(-1)
+    np.testing.assert_allclose(row_sums[has_valid], 1.0, rtol=1e-5)
+    assert np.all(row_sums[~has_valid] == 0)
 
 
 @pytest.mark.parametrize("dtype, stored", [(jnp.bfloat16, (jnp.uint32, 384)), (jnp.float32, (jnp.float32, 640))])

@@ -28,7 +28,8 @@ SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.c
 # The DSA sparse stage with the Pallas kernels of the named platform: each compile below checks the CLI and, in
 # the same program, that libtpu's Mosaic or the CUDA plugin's Triton compiler takes every kernel the model
 # calls inside a whole sharded training step (the indexer's top-k, sparse MLA forward and backward, the sparse
-# KL target; the dense warm-up's kernels are compiled in tests/ops and tests/pallas_kernels).
+# KL target: on TPU written by the forward itself, on GPU its own kernel; the dense warm-up's kernels are compiled
+# in tests/ops and tests/pallas_kernels).
 PALLAS_DSA = ["train.mode=dsa_sparse", "model.attention_backend=pallas"]
 
 

@@ -238,6 +238,14 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotang
 _sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 
+def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk, interpret):
+    """(MlaLayout, interpret resolved) of a sparse MLA call, or a ValueError naming the bad argument."""
+    layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
+    check_scale(scale)
+    check_positive_int("bwd_query_chunk", bwd_query_chunk)
+    return layout, resolve_interpret(interpret)
+
+
 def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=512,
                          interpret=None, platform=None):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
@@ -254,10 +262,8 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     Differentiable in q and latent, through out and lse.
     platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_sparse_mla.py`) or None (TPU kernels on a TPU backend).
     """
-    layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
-    check_scale(scale)
-    check_positive_int("bwd_query_chunk", bwd_query_chunk)
-    interpret = resolve_interpret(interpret)
+    layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
+                                             interpret)
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
     return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels._common import check_positive_int, check_scale, resolve_interpret, resolve_platform
+from pallas_kernels._common import resolve_platform
 from pallas_kernels.indexer_kl_target import sparse_attention_target
-from pallas_kernels.mla_layout import validate_sparse_inputs
-from pallas_kernels.sparse_mla import sparse_mla_attention
+from pallas_kernels.sparse_mla import sparse_mla_attention, validate_sparse_call
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla_with_target
 
 
@@ -32,10 +31,8 @@ def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank,
     backward. Arguments as `sparse_mla_attention`'s; platform "tpu" gathers the rows once for both, "gpu"
     runs the two kernels.
     """
-    layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
-    check_scale(scale)
-    check_positive_int("bwd_query_chunk", bwd_query_chunk)
-    interpret = resolve_interpret(interpret)
+    layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
+                                             interpret)
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
     out, lse = sparse_mla_attention(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank, block_n=block_n,

@@ -7,8 +7,8 @@ v5p chip. Here a leaf with a leading layer axis is orthogonalised under `jax.lax
 one layer's matrices are live at a time. The update equals `scale_by_muon`'s (same momentum, bias correction
 and Newton-Schulz; tested) and the state is the same `MuonState`, so checkpoints do not change.
 
-Given their shardings, stacked FSDP-sharded matrices are orthogonalised with their layer axis split over every
-device instead, where that does no more FLOPs per chip: each chip runs Newton-Schulz on whole matrices of its
+Given their shardings, stacked FSDP-sharded matrices are orthogonalised with their layer axis split over the
+devices that split them instead, where that does no more FLOPs per chip: each chip runs Newton-Schulz on whole matrices of its
 own layers (the layer axis padded to a multiple of the device count). On FSDP shards every Newton-Schulz step
 all-reduces a Gram matrix and repeats the [m, m] products on every chip (510 GB of all-reduce per chip and step for GLM-5 on v5p-512); moving whole
 matrices costs two all-to-alls of the leaf.

@@ -1,0 +1,80 @@
+"""The sparse DSA stage's indexer KL reads the top-k's own scores in its forward (no gather of the selected index
+keys there) and equals the gathered-keys KL it replaced, in value and in gradients (q_i, w_i, k_i): with unused
+(-1) slots, packed segments, a query with no valid key, query blocks, and scores from either top-k path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.model.indexer_kl import _kl, _selected_kl, selected_scores
+from pallas_kernels import NEG_INF
+from pallas_kernels import indexer_topk as indexer_topk_kernel
+from pallas_kernels.chunked_topk import select_topk_with_scores
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.sparse_latent import gather_rows
+
+
+def gathered_kl(p, q_i, w_i, k_i, topk, query_chunk):
+    """The KL before the change: the selected keys gathered and scored in checkpointed blocks."""
+
+    @jax.checkpoint
+    def block(p_c, q_c, w_c, topk_c):
+        keys = gather_rows(k_i, topk_c)
+        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_c.astype(jnp.float32))
+        scores = jnp.einsum("BSI,BSNI->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
+        return _kl(p_c, scores, topk_c >= 0)
+
+    return map_query_chunks(block, num_query_chunks(topk.shape[1], query_chunk), p, q_i, w_i, topk)
+
+
+def _inputs(seq=16, heads=3, dim=8, topk=6):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, seq, heads, dim))
+    k = jax.random.normal(keys[1], (2, seq, dim))
+    w = jax.random.normal(keys[2], (2, seq, heads))
+    # Packed segments: early queries of each segment see fewer than `topk` keys (-1 slots).
+    segments = jnp.array([[1] * 5 + [2] * 7 + [3] * 4, [1] * seq])
+    return q, k, w, segments, keys[3], topk
+
+
+def _select(selector, q, k, w, segments, topk):
+    if selector == "jnp":
+        return select_topk_with_scores(q, k, w, segments, segments, topk)
+    return indexer_topk_kernel(q, k, w, topk=topk, q_segment_ids=segments, k_segment_ids=segments, query_chunk=4,
+                               block_t=16, interpret=True)
+
+
+@pytest.mark.parametrize("selector", ["jnp", "pallas"])
+@pytest.mark.parametrize("query_chunk", [0, 4])
+def test_kl_from_the_selection_scores_equals_the_gathered_kl(selector, query_chunk):
+    q, k, w, segments, key, n = _inputs()
+    topk, scores = jax.jit(_select, static_argnums=(0, 5))(selector, q, k, w, segments, n)
+    # A query with no valid key (as a padding token's row could be): every slot unused.
+    topk, scores = topk.at[1, 9].set(-1), scores.at[1, 9].set(NEG_INF)
+    valid = topk >= 0
+    assert not valid.all() and valid.any(-1).sum() == valid.shape[0] * valid.shape[1] - 1
+    p = jnp.where(valid, jax.random.uniform(key, topk.shape, minval=0.1), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+
+    def new(q, w, k):
+        return _selected_kl(p, scores, q, w, k, topk, query_chunk)
+
+    def old(q, w, k):
+        return gathered_kl(p, q, w, k, topk, query_chunk)
+
+    np.testing.assert_allclose(jax.jit(new)(q, w, k), jax.jit(old)(q, w, k), rtol=1e-5, atol=1e-6)
+    cotangent = jax.random.uniform(jax.random.key(5), topk.shape[:2])  # per-query weights, as token masks give
+    for got, want, name in zip(jax.jit(jax.grad(lambda *a: (new(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, w, k),
+                               jax.jit(jax.grad(lambda *a: (old(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, w, k),
+                               ("q_i", "w_i", "k_i")):
+        assert np.abs(np.asarray(want)).max() > 0, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_gather_path_scores_equal_the_selection_scores():
+    """What a shared layer or a replayed top-k uses (`selected_scores`) is the selection's own rule."""
+    q, k, w, segments, _, n = _inputs()
+    topk, scores = select_topk_with_scores(q, k, w, segments, segments, n)
+    for query_chunk in (0, 4):
+        np.testing.assert_allclose(selected_scores(q, w, k, topk, query_chunk), scores, rtol=1e-5, atol=1e-5)

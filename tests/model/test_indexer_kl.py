@@ -2,12 +2,18 @@
 keys there) and equals the gathered-keys KL it replaced, in value and in gradients (q_i, w_i, k_i): with unused
 (-1) slots, packed segments, a query with no valid key, query blocks, and scores from either top-k path."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_model import small_pallas_model
 
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import indexer_kl
 from glm5_jax.model.indexer_kl import _kl, _selected_kl, selected_scores
+from glm5_jax.model.transformer import forward, init
 from pallas_kernels import NEG_INF
 from pallas_kernels import indexer_topk as indexer_topk_kernel
 from pallas_kernels.chunked_topk import select_topk_with_scores
@@ -78,3 +84,75 @@ def test_the_gather_path_scores_equal_the_selection_scores():
     topk, scores = select_topk_with_scores(q, k, w, segments, segments, n)
     for query_chunk in (0, 4):
         np.testing.assert_allclose(selected_scores(q, w, k, topk, query_chunk), scores, rtol=1e-5, atol=1e-5)
+
+
+MODEL = small_pallas_model(compute_dtype="float32", moe_backend="ragged")
+MODEL_CASES = {  # backend, pallas options (None: the config's own), indexer types
+    "jnp": ("sparse", None, None),
+    "jnp_index_share": ("sparse", None, ("full", "shared")),
+    "jnp_query_blocks_remat": ("sparse", None, None),
+    "pallas": ("pallas", None, None),
+    "pallas_tpu": ("pallas", dict(platform="tpu", interpret=True), None),
+}
+
+
+def _model_loss_and_grads(case, monkeypatch, kl=None):
+    backend, options, types = MODEL_CASES[case]
+    config = dataclasses.replace(MODEL, attention_backend=backend, indexer_types=types)
+    if case == "jnp_query_blocks_remat":
+        config = dataclasses.replace(config, index_query_chunk=4, remat_policy="full")
+    if options is not None:
+        monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: options))
+    if kl is not None:
+        monkeypatch.setattr(indexer_kl, "_selected_kl", kl)
+    params = init(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 12), 0, config.vocab_size)
+    segment_ids = jnp.array([[1] * 7 + [2] * 5])
+
+    def loss(p):
+        out = forward(p, tokens, config=config, segment_ids=segment_ids, indexer_mode="sparse")
+        return jnp.mean(out.logits ** 2) + out.aux["indexer_kl_sum"].sum(), out.aux["indexer_kl_sum"]
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_model_sparse_stage_loss_and_gradients_equal_the_gathered_kl(case, monkeypatch):
+    """The whole model's DSA sparse-stage loss and every gradient (the indexer's through the KL) equal those of
+    the gathered KL, on the jnp top-k (also with an IndexShare "shared" layer, whose scores are gathered, and in
+    query blocks under remat) and on the Pallas top-k (Triton and Mosaic kernels in interpret mode)."""
+    (value, kl), grads = _model_loss_and_grads(case, monkeypatch)
+    (ref_value, ref_kl), ref_grads = _model_loss_and_grads(
+        case, monkeypatch, lambda p, scores, q_i, w_i, k_i, topk, chunk: gathered_kl(p, q_i, w_i, k_i, topk, chunk))
+    assert np.all(np.asarray(ref_kl) > 0)
+    np.testing.assert_allclose(kl, ref_kl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)
+    indexer_grads = 0
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+        indexer_grads += "indexer" in jax.tree_util.keystr(path) and bool(np.abs(np.asarray(r)).max() > 0)
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert indexer_grads > 0
+
+
+def _primitive_count(jaxpr, name):
+    from jax._src import core
+
+    return sum((eqn.primitive.name == name) + sum(_primitive_count(sub, name) for sub in
+                                                 core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("remat_policy", ["full", "full_keep_dsa_target"])
+def test_remat_keeps_the_selection_scores_so_the_backward_runs_no_top_k(remat_policy):
+    """The scores are saved with the selection (`ALWAYS_SAVED`): the gradient runs each stack's top-k once, in
+    the forward, as without remat (a recompute that needed them would run it again)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def top_ks(policy):
+        config = dataclasses.replace(MODEL, attention_backend="sparse", remat_policy=policy)
+        params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+        loss = lambda p, t: forward(p, t, config=config, indexer_mode="sparse").aux["indexer_kl_sum"].sum()
+        closed = jax.make_jaxpr(jax.grad(loss))(params, jax.ShapeDtypeStruct((1, 12), jnp.int32))
+        return _primitive_count(pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0], "top_k")
+
+    assert top_ks(remat_policy) == top_ks("none") == 3  # the dense stack, the MoE stack, the MTP step

@@ -1,6 +1,6 @@
 """The lightning indexer's top-k in jnp over blocks of queries (the model's path when it runs no kernel): the
 reference's scores (`reference.indexer_scores_reference`, at the backend's default matmul precision) and its
-top-k rule (`reference.topk_from_scores`), with at most one [B, chunk, T] score block alive at a time.
+top-k rule (`reference.topk_with_scores`), with at most one [B, chunk, T] score block alive at a time.
 
 I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
 negative value *before* top-k, so a query never ranks a future key or one from another packed segment.

@@ -156,3 +156,16 @@ def test_remat_keeps_the_selection_scores_so_the_backward_runs_no_top_k(remat_po
         return _primitive_count(pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0], "top_k")
 
     assert top_ks(remat_policy) == top_ks("none") == 3  # the dense stack, the MoE stack, the MTP step
+
+
+@pytest.mark.parametrize("query_chunk, key_block", [(4, 0), (4, 5), (0, 5)])
+def test_blocked_selection_returns_the_scores_of_one_selection(query_chunk, key_block):
+    """The jnp top-k's scores in query blocks (causal bands, padded slots) and over key blocks (running merge)
+    equal one selection's over all keys, NEG_INF on unused slots."""
+    q, k, w, segments, _, n = _inputs()
+    want_topk, want_scores = select_topk_with_scores(q, k, w, segments, segments, n)
+    topk, scores = jax.jit(select_topk_with_scores, static_argnums=(5,), static_argnames=("query_chunk", "key_block"))(
+        q, k, w, segments, segments, n, query_chunk=query_chunk, key_block=key_block)
+    np.testing.assert_array_equal(topk, want_topk)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-6)
+    assert (want_topk < 0).any() and np.all(np.asarray(scores)[np.asarray(topk) < 0] == NEG_INF)

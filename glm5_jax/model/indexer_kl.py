@@ -46,8 +46,10 @@ def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
 def _gathered_scores(q_i, w_i, k_i, topk):
     """fp32 index scores [B, c, N] at the selected keys, from their gathered rows [B, c, N, J]."""
     keys = gather_rows(k_i, topk)
-    # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products.
-    logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_i.astype(jnp.float32))
+    # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products. The rows
+    # stay in their dtype (bf16 products are exact in fp32): no fp32 copy of the gathered rows, nor of their
+    # gradient, which is rounded to the keys' dtype before the scatter-add all the same.
+    logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys, q_i.astype(keys.dtype), preferred_element_type=jnp.float32)
     return jnp.einsum("BSI,BSNI->BSN", w_i, jax.nn.relu(logits * q_i.shape[-1] ** -0.5))
 
 

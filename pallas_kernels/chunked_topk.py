@@ -1,6 +1,6 @@
 """The lightning indexer's top-k in jnp over blocks of queries (the model's path when it runs no kernel): the
 reference's scores (`reference.indexer_scores_reference`, at the backend's default matmul precision) and its
-top-k rule (`reference.topk_from_scores`), with at most one [B, chunk, T] score block alive at a time.
+top-k rule (`reference.topk_with_scores`), with at most one [B, chunk, T] score block alive at a time.
 
 I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
 negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
@@ -18,7 +18,7 @@ from jax import lax
 
 from pallas_kernels._common import NEG_INF, pad_axis
 from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
-from pallas_kernels.reference import indexer_scores_reference, topk_from_scores
+from pallas_kernels.reference import indexer_scores_reference, topk_with_scores
 
 
 def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
@@ -39,13 +39,15 @@ def _causal_bands(n_chunks: int) -> int:
 
 
 def running_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
-                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array, key_block: int) -> jax.Array:
-    """`topk_from_scores` of all T keys, scoring `key_block` keys at a time: each block's scores are merged into
+                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array,
+                 key_block: int) -> tuple[jax.Array, jax.Array]:
+    """`topk_with_scores` of all T keys, scoring `key_block` keys at a time: each block's scores are merged into
     a running (scores, indices) top-k, so only a [B, S, key_block] score block exists at a time.
 
     Equal to one top-k over every key, ties included: the running entries come first in each merge and hold
     lower key indices than the block's, so `lax.top_k` (lowest position first among equal scores) still takes
-    the lowest key index. Slots still on their initial NEG_INF entries, or on invisible keys, become -1."""
+    the lowest key index. Slots still on their initial NEG_INF entries, or on invisible keys, become -1 (their
+    scores stay NEG_INF)."""
     b, s = q.shape[:2]
     t = k.shape[1]
     n_blocks = -(-t // key_block)
@@ -65,19 +67,27 @@ def running_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: 
 
     init = (jnp.full((b, s, width), NEG_INF, jnp.float32), jnp.full((b, s, width), -1, jnp.int32))
     (values, indices), _ = lax.scan(merge, init, jnp.arange(n_blocks))
-    return jnp.where(values > NEG_INF / 2, indices, -1)
+    return jnp.where(values > NEG_INF / 2, indices, -1), values
 
 
 def _chunk_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block):
     if 0 < key_block < k.shape[1]:
         return running_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block)
-    return topk_from_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
+    return topk_with_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
 
 
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
                 k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
                 query_chunk: int = 0, key_block: int = 0) -> jax.Array:
-    """Top-k key indices per query [B, S, N]. With `query_chunk` > 0 only a [B, chunk, T] score block
+    """Top-k key indices per query [B, S, N]: the indices of `select_topk_with_scores`."""
+    return select_topk_with_scores(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, query_chunk,
+                                   key_block)[0]
+
+
+def select_topk_with_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
+                            k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
+                            query_chunk: int = 0, key_block: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(Top-k key indices per query [B, S, N], their fp32 scores; unused slots -1 and NEG_INF). With `query_chunk` > 0 only a [B, chunk, T] score block
     exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
     each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work. With
     `key_block` > 0 keys are scored in blocks too, merged into a running top-k (`running_topk`)."""
@@ -89,8 +99,10 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
 
     def blocks_over(keys, key_segments, q_, w_, seg_, first):
         def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
-            picked = _chunk_topk(q_c, keys, w_c, seg_c, key_segments, topk, q_offset + rows_c[0, 0], key_block)
-            return jnp.pad(picked, [(0, 0), (0, 0), (0, width - picked.shape[-1])], constant_values=-1)
+            picked, values = _chunk_topk(q_c, keys, w_c, seg_c, key_segments, topk, q_offset + rows_c[0, 0],
+                                         key_block)
+            pad = [(0, 0), (0, 0), (0, width - picked.shape[-1])]
+            return jnp.pad(picked, pad, constant_values=-1), jnp.pad(values, pad, constant_values=NEG_INF)
 
         rows = first + jnp.arange(q_.shape[1])[None]
         return map_query_chunks(chunk, q_.shape[1] // chunk_len, q_, w_, seg_, rows)
@@ -103,4 +115,4 @@ def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: j
         q_rows, end = slice(band * band_len, (band + 1) * band_len), (band + 1) * band_len if causal_self else None
         picked.append(blocks_over(k[:, :end], k_segment_ids[:, :end], q[:, q_rows], weights[:, q_rows],
                                   q_segment_ids[:, q_rows], band * band_len))
-    return jnp.concatenate(picked, axis=1)
+    return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*picked))

@@ -41,8 +41,9 @@ INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 # `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).
 # Activations saved under every remat policy, by `checkpoint_name`: the indexer's top-k selection is small
-# (int32 [B, S, N]) but costs O(S x T) to recompute, so the backward pass reads it instead of re-running the indexer.
-ALWAYS_SAVED = ("dsa_topk",)
+# (int32 [B, S, N]) but costs O(S x T) to recompute, so the backward pass reads it instead of re-running the indexer;
+# with it its scores at those keys (fp32 [B, S, N], the sparse KL's forward value; DSA sparse stage only).
+ALWAYS_SAVED = ("dsa_topk", "dsa_topk_scores")
 _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 # The routed experts' grouped-matmul outputs (gate and up projections of the received rows): keeping them lets a
 # rematerialised MoE layer's backward skip every routed-expert matmul of the recompute (their weight and input

@@ -14,7 +14,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model.attention import MLA
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
-from glm5_jax.model.indexer_kl import attend_with_indexer_kl
+from glm5_jax.model.indexer_kl import attend_with_indexer_kl, scores_at
 from glm5_jax.model.kv_cache import KVCache, LayerCache
 from glm5_jax.model.layers import Scale, SwiGLU
 from glm5_jax.model.moe import MoE
@@ -79,17 +79,31 @@ class DecoderLayer(nnx.Module):
             attn_out, latent = self.attn.attend_cached(proj, topk, cache, mesh)
             cache = cache._replace(kv=KVCache(latent, index_keys))
         else:
+            # The sparse KL reads the index scores at the selection: the top-k's own, or gathered where this
+            # layer's indexer did not make the selection (a shared layer's source scored other inputs).
+            keep_scores = indexer_mode == "sparse"
+
+            def own_topk():
+                topk, scores = indexer.topk(h, proj.q_resid, ctx, mesh)
+                return topk, scores if keep_scores else None
+
+            def shared_topk():
+                return prev_topk, scores_at(indexer, h, proj, prev_topk, ctx, mesh) if keep_scores else None
+
             if topk_override is not None:
-                topk = topk_override.astype(jnp.int32)
+                topk, scores = topk_override.astype(jnp.int32), None
             elif run_indexer is True:
-                topk = indexer.topk(h, proj.q_resid, ctx, mesh)
+                topk, scores = own_topk()
             else:
-                topk = jax.lax.cond(run_indexer, lambda: indexer.topk(h, proj.q_resid, ctx, mesh), lambda: prev_topk)
+                topk, scores = jax.lax.cond(run_indexer, own_topk, shared_topk)
             topk = checkpoint_name(topk, "dsa_topk")  # remat policies keep it (config.ALWAYS_SAVED)
+            if scores is not None:
+                scores = checkpoint_name(scores, "dsa_topk_scores")  # so is this, or the recompute reruns top-k
             if indexer_mode is None:
                 attn_out = self.attn.attend(proj, topk, ctx.segment_ids, ctx.segment_ids, mesh=mesh)
             else:
-                attn_out, kl_aux = attend_with_indexer_kl(self.attn, indexer, h, proj, topk, ctx, indexer_mode, mesh)
+                attn_out, kl_aux = attend_with_indexer_kl(self.attn, indexer, h, proj, topk, ctx, indexer_mode, mesh,
+                                                          scores)
         x = x + attn_out
         h = self.post_attn_norm.rms_norm(x, eps)
         if hasattr(self, "moe"):

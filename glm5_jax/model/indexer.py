@@ -15,7 +15,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_half_split, apply_rope_interleaved
-from glm5_jax.ops.indexer_select import cache_topk, indexer_topk
+from glm5_jax.ops.indexer_select import cache_topk, indexer_topk_with_scores
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -55,10 +55,11 @@ class Indexer(nnx.Module):
         k = self.k_norm.layer_norm(k, INDEXER_NORM_EPS)
         return IndexerInputs(q, weights * config.index_n_heads**-0.5, _rope_prefix(k, cos, sin, rotary, interleaved))
 
-    def topk(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext, mesh=None) -> jax.Array:
-        """The top-k keys of each query among the visible ones of the sequence: int32 [B, S, N] (-1 = unused)."""
+    def topk(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext, mesh=None) -> tuple[jax.Array, jax.Array]:
+        """The top-k keys of each query among the visible ones of the sequence: int32 [B, S, N] (-1 = unused),
+        and their fp32 index scores [B, S, N] (NEG_INF on unused slots; a constant, no gradient)."""
         q, weights, keys = self(x, q_resid, ctx.cos, ctx.sin)
-        return indexer_topk(q, keys, weights, ctx.segment_ids, config=self.config, mesh=mesh)
+        return indexer_topk_with_scores(q, keys, weights, ctx.segment_ids, config=self.config, mesh=mesh)
 
     def topk_over_cache(self, x: jax.Array, q_resid: jax.Array, ctx: LayerContext, cache: LayerCache,
                         mesh=None) -> tuple[jax.Array, jax.Array]:

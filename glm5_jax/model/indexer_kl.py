@@ -9,9 +9,14 @@ Under context parallelism every per-query term runs on each chip's queries again
 `context` (`glm5_jax.distributed.context_local`); the masks and sums over [B, S] stay global arrays.
 On IndexShare "shared" layers the KL trains the source layer's indexer toward this layer's attention too
 (the one indexer serves both layers).
+The sparse KL's forward reads the index scores the top-k selection ranked by (saved through remat as
+"dsa_topk_scores"); only its backward gathers the selected index keys. A layer whose selection is not its own
+indexer's (a "shared" layer: the source's keys, this layer's queries; a replayed top-k) gathers its scores.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +30,7 @@ from glm5_jax.model.indexer import Indexer
 from glm5_jax.ops.indexer_select import indexer_scores
 from pallas_kernels import NEG_INF
 from pallas_kernels.masks import selected_mask, visible_keys
-from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.query_chunks import map_query_chunks, merge_queries, num_query_chunks, split_queries
 from pallas_kernels.sparse_latent import gather_rows
 
 INDEXER_MODES = ("dense_warmup", "sparse")
@@ -38,24 +43,80 @@ def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
     return terms.sum(-1)
 
 
-def _selected_kl(p, q_i, w_i, k_i, topk, query_chunk):
-    """KL(p || softmax of the index scores at the selected keys) per query [B, S]. The gathered index keys
-    [B, chunk, N, J] are recomputed in the backward (checkpointed blocks), not kept."""
+def _gathered_scores(q_i, w_i, k_i, topk):
+    """fp32 index scores [B, c, N] at the selected keys, from their gathered rows [B, c, N, J]."""
+    keys = gather_rows(k_i, topk)
+    # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products. The rows
+    # stay in their dtype (bf16 products are exact in fp32): no fp32 copy of the gathered rows, nor of their
+    # gradient, which is rounded to the keys' dtype before the scatter-add all the same.
+    logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys, q_i.astype(keys.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("BSI,BSNI->BSN", w_i, jax.nn.relu(logits * q_i.shape[-1] ** -0.5))
 
-    @jax.checkpoint
-    def block(p_c, q_c, w_c, topk_c):
-        keys = gather_rows(k_i, topk_c)  # [B, c, N, J]: only selected rows
-        # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products.
-        logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys.astype(jnp.float32), q_c.astype(jnp.float32))
-        scores = jnp.einsum("BSI,BSNI->BSN", w_c, jax.nn.relu(logits * q_c.shape[-1] ** -0.5))
-        return _kl(p_c, scores, topk_c >= 0)
 
-    return map_query_chunks(block, num_query_chunks(topk.shape[1], query_chunk), p, q_i, w_i, topk)
+def selected_scores(q_i, w_i, k_i, topk, query_chunk):
+    """The index scores [B, S, N] at a selection made elsewhere (a constant): the gather path, for selections
+    that are not this indexer's own (IndexShare "shared" layers, replayed top-k)."""
+    scores = map_query_chunks(lambda q_c, w_c, topk_c: _gathered_scores(q_c, w_c, k_i, topk_c),
+                              num_query_chunks(topk.shape[1], query_chunk), q_i, w_i, topk)
+    return jax.lax.stop_gradient(jnp.where(topk >= 0, scores, NEG_INF))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _scores_at_selection(scores, q_i, w_i, k_i, topk, query_chunk):
+    """`scores` (the selection's own, a constant) as the forward value, differentiated as the gathered index
+    scores at `topk` are: the backward gathers the selected keys and recomputes the per-head logits once per
+    query block, instead of the forward, its recompute and the backward each doing so."""
+    return scores
+
+
+def _scores_at_selection_fwd(scores, q_i, w_i, k_i, topk, query_chunk):
+    return scores, (q_i, w_i, k_i, topk)
+
+
+def _scores_at_selection_bwd(query_chunk, residuals, g):
+    q_i, w_i, k_i, topk = residuals
+    n = num_query_chunks(topk.shape[1], query_chunk)
+
+    def block(dk, chunk):  # dk: the key gradient so far, fp32 (the blocks' scatter-adds summed once, not in bf16)
+        q_c, w_c, topk_c, g_c = chunk
+        _, vjp = jax.vjp(lambda q, w, k: _gathered_scores(q, w, k, topk_c), q_c, w_c, k_i)
+        dq, dw, dk_c = vjp(g_c)
+        return dk + dk_c.astype(jnp.float32), (dq, dw)
+
+    dk = jnp.zeros(k_i.shape, jnp.float32)
+    if n == 1:
+        dk, (dq, dw) = block(dk, (q_i, w_i, topk, g))
+    else:
+        dk, (dq, dw) = jax.lax.scan(block, dk, tuple(split_queries(a, n) for a in (q_i, w_i, topk, g)))
+        dq, dw = merge_queries(dq), merge_queries(dw)
+    return None, dq, dw, dk.astype(k_i.dtype), None
+
+
+_scores_at_selection.defvjp(_scores_at_selection_fwd, _scores_at_selection_bwd)
+
+
+def _selected_kl(p, scores, q_i, w_i, k_i, topk, query_chunk):
+    """KL(p || softmax of the index scores at the selected keys) per query [B, S]. Its value reads `scores`, the
+    selection's own scores at `topk` (no gather); its gradient in q_i, w_i and k_i is the gathered scores'
+    (`_scores_at_selection`): softmax(scores) - p on the valid slots, through the per-head logits."""
+    scores = _scores_at_selection(jax.lax.stop_gradient(scores), q_i, w_i, k_i, topk, query_chunk)
+    return _kl(p, scores, topk >= 0)
+
+
+def scores_at(indexer: Indexer, h: jax.Array, proj: Projection, topk: jax.Array, ctx: LayerContext,
+              mesh=None) -> jax.Array:
+    """This layer's index scores [B, S, N] at a selection `topk` it did not make (the gather path)."""
+    q_i, w_i, k_i = indexer(jax.lax.stop_gradient(h), jax.lax.stop_gradient(proj.q_resid), ctx.cos, ctx.sin)
+    chunk = indexer.config.index_query_chunk
+    return context_local(lambda _, q_i, w_i, topk, k_i: selected_scores(q_i, w_i, k_i, topk, chunk),
+                         mesh, (q_i, w_i, topk), (k_i,))
 
 
 def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Projection, topk: jax.Array,
-                           ctx: LayerContext, mode: str, mesh=None) -> tuple[jax.Array, dict]:
-    """Returns (attention output [B, S, D], {indexer_kl_sum, indexer_kl_count, topk_mass_sum})."""
+                           ctx: LayerContext, mode: str, mesh=None,
+                           scores: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Returns (attention output [B, S, D], {indexer_kl_sum, indexer_kl_count, topk_mass_sum}). `scores`: this
+    indexer's scores at `topk` [B, S, N] (the top-k's own); without them the sparse mode gathers them."""
     config = attn.config
     q_i, w_i, k_i = indexer(jax.lax.stop_gradient(h), jax.lax.stop_gradient(proj.q_resid), ctx.cos, ctx.sin)
     segment_ids = ctx.segment_ids
@@ -71,9 +132,11 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
     elif mode == "sparse":
         out, p = attn.attend_sparse_with_target(proj, topk, mesh)
         p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
-        kl = context_local(lambda _, p, q_i, w_i, topk, k_i: _selected_kl(p, q_i, w_i, k_i, topk,
-                                                                         config.index_query_chunk),
-                           mesh, (p, q_i, w_i, topk), (k_i,))
+        if scores is None:
+            scores = scores_at(indexer, h, proj, topk, ctx, mesh)
+        kl = context_local(lambda _, p, scores, q_i, w_i, topk, k_i: _selected_kl(p, scores, q_i, w_i, k_i, topk,
+                                                                                 config.index_query_chunk),
+                           mesh, (p, scores, q_i, w_i, topk), (k_i,))
         captured = jnp.where(ctx.token_mask, 1.0, 0.0)  # the attention *is* the selected set
     else:
         raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")

@@ -3,7 +3,8 @@
 One function per operation; the model calls only these, never a kernel:
 - `sparse_attention` (and `sparse_attention_with_target`, `dense_attention_with_target` for the indexer KL):
   DSA's absorbed-form MLA attention over selected latent rows (`sparse_attention.py`);
-- `indexer_topk`, `indexer_scores`: the lightning indexer's scores and top-k (`indexer_select.py`);
+- `indexer_topk` (and `indexer_topk_with_scores`, for the sparse KL), `indexer_scores`: the lightning indexer's
+  scores and top-k (`indexer_select.py`);
 - `grouped_matmul`: the routed experts' grouped matmul (`grouped_matmul.py`).
 Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Triton on GPU, interpreted on CPU;
 `ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference

@@ -1,7 +1,8 @@
 """The lightning indexer's operations, each choosing the jnp path or the Pallas kernels in one place:
-`indexer_topk` (the keys each query attends to), `indexer_scores` (the dense warm-up's KL needs them all) and
-`cache_topk` (new tokens against a decoding cache). The first two run on each device's own rows: GSPMD would
-gather the global batch for `top_k`, and cannot partition a Mosaic kernel at all. Both paths run under
+`indexer_topk` (the keys each query attends to; `indexer_topk_with_scores` with their scores), `indexer_scores`
+(the dense warm-up's KL needs them all) and `cache_topk` (new tokens against a decoding cache). The first two
+run on each device's own rows: GSPMD would gather the global batch for `top_k`, and cannot partition a Mosaic
+kernel at all. Both paths run under
 `context_local`: each chip's queries against the keys gathered over `context` (key indices global, the chip's
 first query position the kernels' `q_offset`). `cache_topk` is jnp only; under a `context` split of the cache
 each chip ranks its own slots and the candidates merge into the one-chip selection."""
@@ -20,7 +21,7 @@ from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import NEG_INF
 from pallas_kernels import indexer_scores as indexer_scores_kernel
 from pallas_kernels import indexer_topk as indexer_topk_kernel
-from pallas_kernels.chunked_topk import index_scores, select_topk
+from pallas_kernels.chunked_topk import index_scores, select_topk_with_scores
 from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
 from pallas_kernels.reference import topk_with_scores
 
@@ -29,18 +30,27 @@ def indexer_topk(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids:
                  config: ModelConfig, mesh=None) -> jax.Array:
     """Causal self-selection within packed segments: int32 [B, S, N] key indices (-1 = unused slot) for indexer
     queries q [B, S, I, J], keys [B, S, J] and fp32 head weights [B, S, I]."""
+    return indexer_topk_with_scores(q, keys, weights, segment_ids, config=config, mesh=mesh)[0]
+
+
+def indexer_topk_with_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids: jax.Array, *,
+                             config: ModelConfig, mesh=None) -> tuple[jax.Array, jax.Array]:
+    """`indexer_topk`'s indices and the fp32 index scores [B, S, N] the selection ranked them by (NEG_INF on
+    unused slots), both paths: the sparse KL's forward reads its scores here instead of gathering the keys
+    again. The scores are a constant (no gradient): `glm5_jax.model.indexer_kl` differentiates its own."""
     if uses_kernels(config):
         def select(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
             return indexer_topk_kernel(q, keys, weights, topk=config.index_topk, q_segment_ids=q_segment_ids,
                                        k_segment_ids=k_segment_ids, q_offset=q_offset,
                                        cost_q_offset=declared_offset(q_offset, keys.shape[1], q.shape[1]),
-                                       **config.pallas_options)[0]
+                                       **config.pallas_options)
     else:
         def select(q_offset, q, weights, q_segment_ids, keys, k_segment_ids):
-            return select_topk(q, keys, weights, q_segment_ids, k_segment_ids, config.index_topk,
-                               q_offset=q_offset, query_chunk=config.index_query_chunk,
-                               key_block=config.index_key_block)
-    return context_local(select, mesh, (q, weights, segment_ids), (keys, segment_ids), local_rows=True)
+            return select_topk_with_scores(q, keys, weights, q_segment_ids, k_segment_ids, config.index_topk,
+                                           q_offset=q_offset, query_chunk=config.index_query_chunk,
+                                           key_block=config.index_key_block)
+    indices, scores = context_local(select, mesh, (q, weights, segment_ids), (keys, segment_ids), local_rows=True)
+    return indices, jax.lax.stop_gradient(jnp.where(indices >= 0, scores, NEG_INF))
 
 
 def indexer_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, segment_ids: jax.Array, *,

@@ -92,14 +92,16 @@ def dot_nt(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
-def dot_tn(a: jax.Array, b: jax.Array) -> jax.Array:
+def dot_tn(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
     """a [K, M] x b [K, N] -> [M, N] in fp32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
 
 
-def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+def dot_nn(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
     """a [M, K] x b [K, N] -> [M, N] in fp32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
 
 
 def check_rank(name: str, x, rank: int, layout: str) -> None:

@@ -57,6 +57,12 @@ def sparse_mla_backward_flops(heads: int, slots: int, width: int, values: int) -
     return 2 * heads * slots * (3 * width + 2 * values)
 
 
+def selected_scores_backward_flops(heads: int, slots: int, dim: int) -> int:
+    """One query's backward of the index scores at its selection: the logits again ([I, J] x [J, N]), dq
+    ([I, N] x [N, J]) and the per-slot key gradients ([N, I] x [I, J])."""
+    return 3 * 2 * heads * slots * dim
+
+
 def sparse_target_flops(heads: int, slots: int, width: int) -> int:
     """One query's sparse KL target: the scores alone."""
     return 2 * heads * slots * width

@@ -155,12 +155,14 @@ def backward_shift(out, d_out, d_lse):
     return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
 
 
-def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift, *, chunk: int):
-    """Sparse MLA backward over bounded query chunks; shared by the Triton and the TPU kernels.
+def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, *per_query, chunk: int):
+    """A row-gathering backward over bounded query chunks; shared by the Triton and the TPU sparse MLA kernels
+    and the TPU backward of the index scores at a selection (`tpu_selected_scores`).
 
     q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
-    [B, S, Np] (-1 = unused); d_out [B, S, Hp, *]; lse, shift fp32 [B, S, Hp]. For one chunk of queries,
-    chunk_kernel(q_parts, idx, latent_parts, d_out, lse, shift) returns (dq_parts, dk_parts): dq like
+    [B, S, Np] (-1 = unused); per_query: the other per-query inputs [B, S, ...] (sparse MLA: d_out
+    [B, S, Hp, *], lse and shift fp32 [B, S, Hp]). For one chunk of queries,
+    chunk_kernel(q_parts, idx, latent_parts, *per_query) returns (dq_parts, dk_parts): dq like
     q_parts and per-(query, slot) head-summed row gradients dk [B, chunk, Np, *] like latent_parts, in the
     latent's dtype (each row summed over heads in fp32 and rounded once: half the HBM bytes of fp32 rows in
     bf16). Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
@@ -176,7 +178,7 @@ def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift
 
     q_parts = tuple(pad_queries(x) for x in q_parts)
     idx = pad_queries(idx, value=-1)
-    d_out, lse, shift = pad_queries(d_out), pad_queries(lse), pad_queries(shift)
+    per_query = tuple(pad_queries(x) for x in per_query)
 
     def chunk_step(c, carry):
         dq_parts, dlat_parts = carry
@@ -186,8 +188,8 @@ def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, d_out, lse, shift
             return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
 
         idx_chunk = take(idx)
-        dq_chunk, dk_chunk = chunk_kernel(tuple(take(x) for x in q_parts), idx_chunk, latent_parts, take(d_out),
-                                          take(lse), take(shift))
+        dq_chunk, dk_chunk = chunk_kernel(tuple(take(x) for x in q_parts), idx_chunk, latent_parts,
+                                          *(take(x) for x in per_query))
         rows = jnp.where((idx_chunk >= 0) & (idx_chunk < num_keys), idx_chunk, num_keys).reshape(batch, -1)
         dlat_parts = tuple(_scatter_add_rows(acc, rows, dk.reshape(batch, rows.shape[1], -1))
                            for acc, dk in zip(dlat_parts, dk_chunk))

@@ -98,13 +98,13 @@ def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
     return idx.reshape(*idx.shape[:2], -1, layout.block_n)
 
 
-def _valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
+def valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
     """[1, block_n] mask of block j's slots that name a row in [0, T)."""
     idx = idx_ref[pl.ds(j, 1), :]
     return (idx >= 0) & (idx < num_keys)
 
 
-def _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
+def for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
     """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows, the rows in
     the width and dtype of `like` (the query block [Hp, W]).
 
@@ -162,7 +162,7 @@ def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendent
                               transcendentals=transcendentals).estimate()
 
 
-def _gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
+def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
                  transcendentals: int):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
@@ -206,7 +206,7 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, 
 
     def body(j, rows, carry):
         row_max, row_sum, acc = carry
-        valid = _valid_slots(idx_ref, j, num_keys)
+        valid = valid_slots(idx_ref, j, num_keys)
         logits = jnp.where(valid, dot_nt(q, rows) * scale, NEG_INF)  # [Hp, block_n]
         if scores is not None:
             scores[j] = logits
@@ -220,7 +220,7 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, 
 
     init = (jnp.full((heads_padded, 1), NEG_INF, jnp.float32), jnp.zeros((heads_padded, 1), jnp.float32),
             jnp.zeros((heads_padded, values), jnp.float32))
-    row_max, row_sum, acc = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, q)
+    row_max, row_sum, acc = for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, q)
     has_valid = row_sum > 0
     safe_sum = jnp.where(has_valid, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum).astype(out_ref.dtype)
@@ -258,7 +258,7 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
 
     def body(j, rows, dq):
         slot = lax.rem(j, 2)
-        valid = _valid_slots(idx_ref, j, num_keys)
+        valid = valid_slots(idx_ref, j, num_keys)
         p = jnp.where(valid, jnp.exp(dot_nt(q, rows) * scale - lse), 0.0)  # [Hp, block_n]
         # d loss / d logit = p * (do.v - (do.out - d lse)).
         d_logits = (p * (dot_nt(d_out, rows[:, :values]) - shift)).astype(rows.dtype)
@@ -276,7 +276,7 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
         dk_copy(j, slot).start()
         return dq + dot_nn(d_logits, rows)
 
-    dq = _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
+    dq = for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
     for j in range(max(0, num_blocks - 2), num_blocks):  # the copies still in flight
         dk_copy(j, j % 2).wait()
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
@@ -297,7 +297,7 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with
         flops += sparse_target_from_scores_flops(sizes.heads, layout.slots_padded)
         transcendentals += sizes.heads * layout.slots_padded
         scratch.append(pltpu.VMEM((idx.shape[2], sizes.heads, layout.block_n), jnp.float32))
-    results = _gather_call(
+    results = gather_call(
         functools.partial(_forward_kernel, scale=scale, values=sizes.values, heads=layout.heads),
         idx, latent_rows(latent, sizes), [q_p], outputs, scratch=scratch, interpret=interpret, flops=flops,
         transcendentals=transcendentals)
@@ -330,7 +330,7 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
     def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
         (q_c,), lat = q_parts, rows  # latent_parts (the [B, T, W] padded latent) sizes d(latent) only
         idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
-        dq, dk = _gather_call(
+        dq, dk = gather_call(
             kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
             # dk rows as [B, chunk Np, W], the scatter's shape: XLA then fuses their conversion to fp32 into it.
             [(q_c.shape, q_c.dtype, False), ((idx.shape[0], idx.shape[1] * idx.shape[2], sizes.width), latent.dtype,
@@ -378,12 +378,12 @@ def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem
     lse = lse_ref[...]  # [Hp, 1]; padded heads +1e30, so their probabilities are 0
 
     def body(j, rows, carry):
-        valid = _valid_slots(idx_ref, j, num_keys)
+        valid = valid_slots(idx_ref, j, num_keys)
         p = jnp.where(valid, jnp.exp(dot_nt(q, rows) * scale - lse), 0.0)
         out_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
         return carry
 
-    _for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0, q)
+    for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0, q)
 
 
 def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_head_lse: float, interpret: bool):
@@ -391,7 +391,7 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     sizes = TpuSizes.of(layout)
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
-    (p,) = _gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
+    (p,) = gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
                         [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
                         flops=sparse_target_flops(sizes.heads, layout.slots_padded, sizes.width),
                         transcendentals=sizes.heads * layout.slots_padded)

@@ -3,7 +3,8 @@ lightning indexer's scores and top-k, and the indexer KL targets (the sparse one
 attention's forward, `sparse_mla_attention_with_target`). Each has a jnp reference of the same
 signature in `pallas_kernels.reference`; the attention's and the indexer's are the jnp code the model runs
 without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`; `masks` says which
-keys a query sees). See README.md in this folder for memory bounds and tie-breaking.
+keys a query sees). And the backward of the index scores at a selection (the sparse KL's gradient: Mosaic only,
+`tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward.
 """
 
@@ -13,6 +14,7 @@ from pallas_kernels.indexer_kl_target import dense_attention_target, sparse_atte
 from pallas_kernels.indexer_topk import indexer_scores, indexer_topk
 from pallas_kernels.sparse_mla import sparse_mla_attention
 from pallas_kernels.sparse_mla_target import sparse_mla_attention_with_target
+from pallas_kernels.tpu_selected_scores import selected_scores_backward
 
 __all__ = [
     "NEG_INF",
@@ -20,6 +22,7 @@ __all__ = [
     "grouped_matmul",
     "indexer_scores",
     "indexer_topk",
+    "selected_scores_backward",
     "sparse_attention_target",
     "sparse_mla_attention",
     "sparse_mla_attention_with_target",

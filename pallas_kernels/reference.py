@@ -18,6 +18,7 @@ from jax import lax
 
 from pallas_kernels._common import NEG_INF, positions_and_segments
 from pallas_kernels.dense_target import head_mean_target, visible_softmax
+from pallas_kernels.selected_scores import gathered_scores_backward
 from pallas_kernels.sparse_latent import sparse_latent_attention
 
 HIGHEST = lax.Precision.HIGHEST
@@ -106,3 +107,12 @@ def dense_attention_target_reference(q, latent, *, scale, q_segment_ids=None, k_
     q_pos, q_seg, k_seg = positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch, q_len, k_len)
     visible = (jnp.arange(k_len)[None, None, :] <= q_pos[None, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
     return head_mean_target(visible_softmax(logits, visible[:, None]))
+
+
+def selected_scores_backward_reference(q_index, k_index, weights, indices, d_scores, *, block_n=64,
+                                       bwd_query_chunk=0, interpret=None, platform=None):
+    """(dq, dw, dk) of the index scores at a selection: the model's jnp backward (`gathered_scores_backward`).
+    An index outside [0, T) is an unused slot, whose cotangent is ignored."""
+    valid = (indices >= 0) & (indices < k_index.shape[1])
+    return gathered_scores_backward(q_index, weights, k_index, jnp.where(valid, indices, -1),
+                                    jnp.where(valid, d_scores, 0.0), bwd_query_chunk)

@@ -28,10 +28,11 @@ from glm5_jax.model.attention import MLA, Projection
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
 from glm5_jax.ops.indexer_select import indexer_scores
+from glm5_jax.ops.selected_scores_grad import selected_scores_backward, uses_selected_scores_kernel
 from pallas_kernels import NEG_INF
 from pallas_kernels.masks import selected_mask, visible_keys
-from pallas_kernels.query_chunks import map_query_chunks, merge_queries, num_query_chunks, split_queries
-from pallas_kernels.sparse_latent import gather_rows
+from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.selected_scores import gathered_scores
 
 INDEXER_MODES = ("dense_warmup", "sparse")
 
@@ -43,63 +44,41 @@ def _kl(p: jax.Array, index_logits: jax.Array, valid: jax.Array) -> jax.Array:
     return terms.sum(-1)
 
 
-def _gathered_scores(q_i, w_i, k_i, topk):
-    """fp32 index scores [B, c, N] at the selected keys, from their gathered rows [B, c, N, J]."""
-    keys = gather_rows(k_i, topk)
-    # Rows as the left operand ([N, J] @ [J, I]): XLA:CPU's fast layout for these per-query products. The rows
-    # stay in their dtype (bf16 products are exact in fp32): no fp32 copy of the gathered rows, nor of their
-    # gradient, which is rounded to the keys' dtype before the scatter-add all the same.
-    logits = jnp.einsum("BSNJ,BSIJ->BSNI", keys, q_i.astype(keys.dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("BSI,BSNI->BSN", w_i, jax.nn.relu(logits * q_i.shape[-1] ** -0.5))
-
-
 def selected_scores(q_i, w_i, k_i, topk, query_chunk):
     """The index scores [B, S, N] at a selection made elsewhere (a constant): the gather path, for selections
     that are not this indexer's own (IndexShare "shared" layers, replayed top-k)."""
-    scores = map_query_chunks(lambda q_c, w_c, topk_c: _gathered_scores(q_c, w_c, k_i, topk_c),
+    scores = map_query_chunks(lambda q_c, w_c, topk_c: gathered_scores(q_c, w_c, k_i, topk_c),
                               num_query_chunks(topk.shape[1], query_chunk), q_i, w_i, topk)
     return jax.lax.stop_gradient(jnp.where(topk >= 0, scores, NEG_INF))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _scores_at_selection(scores, q_i, w_i, k_i, topk, query_chunk):
+def _scores_at_selection(scores, q_i, w_i, k_i, topk, config):
     """`scores` (the selection's own, a constant) as the forward value, differentiated as the gathered index
-    scores at `topk` are: the backward gathers the selected keys and recomputes the per-head logits once per
-    query block, instead of the forward, its recompute and the backward each doing so."""
+    scores at `topk` are: the backward (`ops.selected_scores_backward`: jnp, or the Mosaic kernel on TPU) gathers
+    the selected keys and recomputes the per-head logits once per query block, instead of the forward, its
+    recompute and the backward each doing so."""
     return scores
 
 
-def _scores_at_selection_fwd(scores, q_i, w_i, k_i, topk, query_chunk):
+def _scores_at_selection_fwd(scores, q_i, w_i, k_i, topk, config):
     return scores, (q_i, w_i, k_i, topk)
 
 
-def _scores_at_selection_bwd(query_chunk, residuals, g):
+def _scores_at_selection_bwd(config, residuals, g):
     q_i, w_i, k_i, topk = residuals
-    n = num_query_chunks(topk.shape[1], query_chunk)
-
-    def block(dk, chunk):  # dk: the key gradient so far, fp32 (the blocks' scatter-adds summed once, not in bf16)
-        q_c, w_c, topk_c, g_c = chunk
-        _, vjp = jax.vjp(lambda q, w, k: _gathered_scores(q, w, k, topk_c), q_c, w_c, k_i)
-        dq, dw, dk_c = vjp(g_c)
-        return dk + dk_c.astype(jnp.float32), (dq, dw)
-
-    dk = jnp.zeros(k_i.shape, jnp.float32)
-    if n == 1:
-        dk, (dq, dw) = block(dk, (q_i, w_i, topk, g))
-    else:
-        dk, (dq, dw) = jax.lax.scan(block, dk, tuple(split_queries(a, n) for a in (q_i, w_i, topk, g)))
-        dq, dw = merge_queries(dq), merge_queries(dw)
-    return None, dq, dw, dk.astype(k_i.dtype), None
+    dq, dw, dk = selected_scores_backward(q_i, w_i, k_i, topk, g, config=config)
+    return None, dq, dw, dk, None
 
 
 _scores_at_selection.defvjp(_scores_at_selection_fwd, _scores_at_selection_bwd)
 
 
-def _selected_kl(p, scores, q_i, w_i, k_i, topk, query_chunk):
+def _selected_kl(p, scores, q_i, w_i, k_i, topk, config):
     """KL(p || softmax of the index scores at the selected keys) per query [B, S]. Its value reads `scores`, the
     selection's own scores at `topk` (no gather); its gradient in q_i, w_i and k_i is the gathered scores'
     (`_scores_at_selection`): softmax(scores) - p on the valid slots, through the per-head logits."""
-    scores = _scores_at_selection(jax.lax.stop_gradient(scores), q_i, w_i, k_i, topk, query_chunk)
+    scores = _scores_at_selection(jax.lax.stop_gradient(scores), q_i, w_i, k_i, topk, config)
     return _kl(p, scores, topk >= 0)
 
 
@@ -134,9 +113,11 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
         p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
         if scores is None:
             scores = scores_at(indexer, h, proj, topk, ctx, mesh)
+        # The backward's Mosaic kernel must see its device's rows only (GSPMD cannot partition it).
         kl = context_local(lambda _, p, scores, q_i, w_i, topk, k_i: _selected_kl(p, scores, q_i, w_i, k_i, topk,
-                                                                                 config.index_query_chunk),
-                           mesh, (p, scores, q_i, w_i, topk), (k_i,))
+                                                                                 config),
+                           mesh, (p, scores, q_i, w_i, topk), (k_i,),
+                           local_rows=uses_selected_scores_kernel(config))
         captured = jnp.where(ctx.token_mask, 1.0, 0.0)  # the attention *is* the selected set
     else:
         raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")

@@ -5,6 +5,8 @@ One function per operation; the model calls only these, never a kernel:
   DSA's absorbed-form MLA attention over selected latent rows (`sparse_attention.py`);
 - `indexer_topk` (and `indexer_topk_with_scores`, for the sparse KL), `indexer_scores`: the lightning indexer's
   scores and top-k (`indexer_select.py`);
+- `selected_scores_backward`: the gradient of the index scores at a selection, the sparse KL's backward
+  (`selected_scores_grad.py`; a Mosaic kernel on TPU only, the jnp path elsewhere);
 - `grouped_matmul`: the routed experts' grouped matmul (`grouped_matmul.py`).
 Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Triton on GPU, interpreted on CPU;
 `ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference

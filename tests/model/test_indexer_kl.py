@@ -1,6 +1,7 @@
 """The sparse DSA stage's indexer KL reads the top-k's own scores in its forward (no gather of the selected index
 keys there) and equals the gathered-keys KL it replaced, in value and in gradients (q_i, w_i, k_i): with unused
-(-1) slots, packed segments, a query with no valid key, query blocks, and scores from either top-k path."""
+(-1) slots, packed segments, a query with no valid key, query blocks, scores from either top-k path, and the
+backward on either path (jnp, or the Mosaic kernel in TPU interpret mode)."""
 
 import dataclasses
 
@@ -51,12 +52,31 @@ def _select(selector, q, k, w, segments, topk):
                                block_t=16, interpret=True)
 
 
-@pytest.mark.parametrize("selector, dtype", [("jnp", "float32"), ("pallas", "float32"), ("jnp", "bfloat16")])
-@pytest.mark.parametrize("query_chunk", [0, 4])
-def test_kl_from_the_selection_scores_equals_the_gathered_kl(selector, dtype, query_chunk):
+TPU_INTERPRET = dict(platform="tpu", interpret=True)
+
+
+def _kl_config(backward: str, query_chunk: int, monkeypatch) -> ModelConfig:
+    """A config whose sparse KL backward runs on `backward`: "jnp", or "mosaic" (TPU interpret mode)."""
+    if backward == "jnp":
+        return ModelConfig(index_query_chunk=query_chunk)
+    monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: TPU_INTERPRET))
+    return ModelConfig(index_query_chunk=query_chunk, attention_backend="pallas")
+
+
+KL_CASES = [  # selector, dtype, backward, query_chunk; the Mosaic backward (interpret mode, ~6 s) in query blocks only
+    *((selector, dtype, "jnp", chunk) for selector, dtype in [("jnp", "float32"), ("pallas", "float32"),
+                                                              ("jnp", "bfloat16")] for chunk in (0, 4)),
+    ("jnp", "float32", "mosaic", 4),
+    ("jnp", "bfloat16", "mosaic", 4),
+]
+
+
+@pytest.mark.parametrize("selector, dtype, backward, query_chunk", KL_CASES)
+def test_kl_from_the_selection_scores_equals_the_gathered_kl(selector, dtype, backward, query_chunk, monkeypatch):
     """fp32 at 1e-5; bf16 index queries and keys (the model's compute dtype) give the gathered KL's bf16
     gradients up to one bf16 rounding (products of bf16 values are exact in fp32 either way; the key gradient
     now sums the query blocks in fp32, where the gathered KL summed them in bf16)."""
+    config = _kl_config(backward, query_chunk, monkeypatch)
     q, k, w, segments, key, n = _inputs()
     q, k = q.astype(dtype), k.astype(dtype)
     topk, scores = jax.jit(_select, static_argnums=(0, 5))(selector, q, k, w, segments, n)
@@ -68,7 +88,7 @@ def test_kl_from_the_selection_scores_equals_the_gathered_kl(selector, dtype, qu
     p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
 
     def new(q, w, k):
-        return _selected_kl(p, scores, q, w, k, topk, query_chunk)
+        return _selected_kl(p, scores, q, w, k, topk, config)
 
     def old(q, w, k):
         return gathered_kl(p, q, w, k, topk, query_chunk)
@@ -127,10 +147,12 @@ def _model_loss_and_grads(case, monkeypatch, kl=None):
 def test_model_sparse_stage_loss_and_gradients_equal_the_gathered_kl(case, monkeypatch):
     """The whole model's DSA sparse-stage loss and every gradient (the indexer's through the KL) equal those of
     the gathered KL, on the jnp top-k (also with an IndexShare "shared" layer, whose scores are gathered, and in
-    query blocks under remat) and on the Pallas top-k (Triton and Mosaic kernels in interpret mode)."""
+    query blocks under remat) and on the Pallas top-k (Triton and Mosaic kernels in interpret mode; with the
+    Mosaic kernels the KL's backward runs its Mosaic kernel too)."""
     (value, kl), grads = _model_loss_and_grads(case, monkeypatch)
     (ref_value, ref_kl), ref_grads = _model_loss_and_grads(
-        case, monkeypatch, lambda p, scores, q_i, w_i, k_i, topk, chunk: gathered_kl(p, q_i, w_i, k_i, topk, chunk))
+        case, monkeypatch,
+        lambda p, scores, q_i, w_i, k_i, topk, config: gathered_kl(p, q_i, w_i, k_i, topk, config.index_query_chunk))
     assert np.all(np.asarray(ref_kl) > 0)
     np.testing.assert_allclose(kl, ref_kl, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6)

@@ -27,6 +27,7 @@ from pallas_kernels import (
     sparse_attention_target,
     sparse_mla_attention,
     sparse_mla_attention_with_target,
+    selected_scores_backward,
 )
 
 
@@ -88,6 +89,10 @@ def entry_points(shape: Shapes, dtype) -> dict:
     def dense_target(q, latent, qs, ks):
         return dense_attention_target(q, latent, scale=scale, block_t=shape.block_t, **masks(qs, ks), **compiled)
 
+    def selected_scores_grad(q, k, w, indices, d_scores):  # the sparse KL's backward
+        return selected_scores_backward(q, k, w, indices, d_scores, block_n=shape.block_n,
+                                        bwd_query_chunk=shape.bwd_query_chunk, **compiled)
+
     grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
     return {
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
@@ -98,6 +103,8 @@ def entry_points(shape: Shapes, dtype) -> dict:
         "indexer_topk": (topk, (q_index, k_index, weights, q_seg, k_seg), 1),
         "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),
         "dense_attention_target": (dense_target, (q, latent, q_seg, k_seg), 2),  # lse pass, probability pass
+        "selected_scores_backward": (selected_scores_grad,
+                                     (q_index, k_index, weights, indices, sds((b, s, shape.slots), jnp.float32)), 1),
     }
 
 

@@ -114,9 +114,9 @@ def _check_inputs(q_index, k_index, weights, indices, d_scores, block_n: int, bw
 
 def selected_scores_backward(q_index, k_index, weights, indices, d_scores, *, block_n: int = 64,
                              bwd_query_chunk: int = 0, interpret: bool | None = None, platform: str | None = None):
-    """(dq [B, S, I, J] in q_index.dtype, dw [B, S, I] in weights.dtype, dk [B, T, J] in k_index.dtype) of the index scores
-    at the selection `indices` [B, S, N] (-1 or >= T: unused slot) for their cotangent d_scores [B, S, N]:
-    `gathered_scores_backward` on the Mosaic TPU kernel. The key gradient sums the query chunks of
+    """(dq [B, S, I, J] in q_index.dtype, dw [B, S, I] in weights.dtype, dk [B, T, J] in k_index.dtype) of the
+    index scores at the selection `indices` [B, S, N] (-1 or >= T: unused slot) for their cotangent d_scores
+    [B, S, N]: `gathered_scores_backward` on the Mosaic TPU kernel. The key gradient sums the query chunks of
     `bwd_query_chunk` (0: one chunk) in fp32 and is rounded once. Only `platform` "tpu" has a kernel."""
     _check_inputs(q_index, k_index, weights, indices, d_scores, block_n, bwd_query_chunk)
     if resolve_platform(platform) != "tpu":

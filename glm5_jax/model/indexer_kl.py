@@ -10,8 +10,10 @@ Under context parallelism every per-query term runs on each chip's queries again
 On IndexShare "shared" layers the KL trains the source layer's indexer toward this layer's attention too
 (the one indexer serves both layers).
 The sparse KL's forward reads the index scores the top-k selection ranked by (saved through remat as
-"dsa_topk_scores"); only its backward gathers the selected index keys. A layer whose selection is not its own
-indexer's (a "shared" layer: the source's keys, this layer's queries; a replayed top-k) gathers its scores.
+"dsa_topk_scores"); only its backward gathers the selected index keys (`ops.selected_scores_backward`: XLA's
+gather, or on TPU with `attention_backend: pallas` a Mosaic kernel that DMAs them into VMEM). A layer whose
+selection is not its own indexer's (a "shared" layer: the source's keys, this layer's queries; a replayed top-k)
+gathers its scores.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendent
 
 
 def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
-                 transcendentals: int):
+                transcendentals: int):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
     Kernel arguments: idx (SMEM), idx (VMEM), latent (`latent_rows`, [B, T, 1, P], HBM), the per-query inputs,

@@ -4,7 +4,8 @@ compiler and its Triton compiler, on a machine without a GPU (the CUDA plugin de
 layouts and unsupported ops show up only here. Each compiled module must hold the expected Pallas Triton
 kernels and no Mosaic kernel, and each kernel's shared memory (as Triton allocates it) must fit the device.
 
-Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128) in bf16 for both GPUs, and the
+Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128) in bf16 for H100 (for H200 the sparse
+MLA backward, the kernel nearest the shared-memory limit), and the
 interpret tests' kind of small odd shapes in fp32 and bf16 for H100 (H200 has the same SM and shared memory,
 so its kernels are the same), and fp32 at GLM-5's shapes for H100, where the row and key blocks shrink to fit.
 Not the sparse MLA backward in fp32 at GLM-5's shapes: its resident fp32 queries and output gradient alone
@@ -169,7 +170,10 @@ NAMES = sorted(entry_points(SMALL, jnp.float32))
 
 def _params():
     for name in NAMES:
-        for target in GPU_TARGETS:
+        # H200 has H100's SM and shared memory per block (test_shared_memory.py): its Triton kernels are H100's,
+        # so only the one closest to the limit is compiled for it here (and every kernel of the training step,
+        # for an H200 cluster, in tests/parallel/test_compile_cli.py).
+        for target in GPU_TARGETS if name == "sparse_mla_backward" else ("h100",):
             yield pytest.param(target, "glm5", "bf16", name, id=f"{target}-glm5-bf16-{name}")
         if name != "sparse_mla_backward":  # fp32: its blocks shrink to fit (see module docstring)
             yield pytest.param("h100", "glm5", "fp32", name, id=f"h100-glm5-fp32-{name}")

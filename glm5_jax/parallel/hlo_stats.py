@@ -39,6 +39,7 @@ Counted:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections import Counter
@@ -89,7 +90,8 @@ def _tiled(dims: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return tuple(physical)
 
 
-def _arrays(type_text: str, stored: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+@functools.lru_cache(maxsize=1 << 16)  # a module repeats a few thousand types over ~10^5 instructions
+def _arrays(type_text: str, stored: bool = False) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(dtype, dims) of every array in a (possibly tuple) HLO type: logical dims, or with `stored` the dims its
     layout's tiling pads them to, leaving out arrays in on-chip memory (a layout's `S(n)`, n > 0: XLA:TPU's
     VMEM and SMEM)."""
@@ -100,7 +102,7 @@ def _arrays(type_text: str, stored: bool = False) -> list[tuple[str, tuple[int, 
         if dtype in DTYPE_BYTES:
             dims = tuple(int(d) for d in dims_text.split(",") if d)
             out.append((dtype, _tiled(dims, layout) if stored and layout else dims))
-    return out
+    return tuple(out)
 
 
 def _bytes(arrays) -> int:
@@ -163,9 +165,11 @@ def result_shapes(text: str, op: str) -> list[tuple[int, ...]]:
             for inst in comp.instructions if inst.op in (op, op + "-start") and (arrays := _arrays(inst.type_text))]
 
 
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
 def _operand_names(rest: str) -> list[str]:
-    args = rest.split(")", 1)[0]
-    return re.findall(r"%([\w.\-]+)", args)
+    return _OPERAND.findall(rest.split(")", 1)[0])
 
 
 def _dims(rest: str, key: str) -> list[int]:
@@ -488,26 +492,28 @@ class HloStats:
         return sum(self.collective_bytes.values())
 
 
-def _instruction_totals(inst: _Instruction, comp: _Computation, computations: dict, program: bool,
-                        num_devices: int, node_of_device: Sequence[int] | None) -> _Totals:
-    """One instruction's own work (not its callees'); HBM traffic only where it runs as a program op."""
-    totals, op, source = _Totals(), inst.op, _source(inst)
+def _add_instruction(totals: _Totals, inst: _Instruction, comp: _Computation, computations: dict, program: bool,
+                     num_devices: int, node_of_device: Sequence[int] | None) -> None:
+    """Add one instruction's own work (not its callees') to its computation's `totals`; HBM traffic only where
+    it runs as a program op."""
+    op, source = inst.op, _source(inst)
+    flops = 0.0
     operand_shapes = [comp.stored.get(name, []) for name in _operand_names(inst.rest)]
     traffic = sum(_bytes(shape) for shape in operand_shapes) + _bytes(_arrays(inst.type_text, stored=True))
     if op in ("dot", "convolution"):
-        totals.flops[source] += _matmul_flops(inst, comp)
+        flops = _matmul_flops(inst, comp)
     elif op == "custom-call":
         target = _custom_call_target(inst)
         if inst.name.startswith("ragged-dot"):
-            totals.flops[source] += _ragged_dot_flops(inst, comp)
+            flops = _ragged_dot_flops(inst, comp)
         elif target.startswith("__cublas$"):
-            totals.flops[source] += _cublas_flops(inst, comp)
+            flops = _cublas_flops(inst, comp)
         elif target in KERNEL_TARGETS:
             cost = _kernel_cost(inst)
             if cost is None:
                 totals.uncosted[_kernel_name(inst)] += 1
             else:
-                totals.flops[source] += cost[0]
+                flops = cost[0]
                 totals.kernel_flops += cost[0]
                 traffic = cost[1]
     kind = op[:-len("-start")] if op.endswith("-start") else op
@@ -533,8 +539,8 @@ def _instruction_totals(inst: _Instruction, comp: _Computation, computations: di
             traffic = 2 * _bytes(operand_shapes[1])
         totals.hbm += traffic
         totals.hbm_by_source[source] += traffic
-    totals.flops = +totals.flops  # drop zero entries
-    return totals
+    if flops > 0:  # no zero entries by source
+        totals.flops[source] += flops
 
 
 def _called(inst: _Instruction) -> dict[str, list[str]]:
@@ -559,8 +565,7 @@ def hlo_stats(text: str, num_devices: int, node_of_device: Sequence[int] | None 
             raise HloParseError(f"computation {name!r} is called but not defined")
         totals = _Totals()
         for inst in comp.instructions:
-            totals.add(_instruction_totals(inst, comp, computations, program, num_devices, node_of_device), 1,
-                       _NO_METADATA)
+            _add_instruction(totals, inst, comp, computations, program, num_devices, node_of_device)
             called = _called(inst)
             times = 1
             if inst.op == "while":

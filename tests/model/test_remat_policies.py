@@ -57,6 +57,7 @@ def _gradient_kernels(policy: str) -> collections.Counter:
 
 
 @pytest.mark.parametrize("policy", KEEP_POLICIES)
+@pytest.mark.slow
 def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
     """The kernels run (interpreted on CPU) under `full` and the policy: loss and every gradient equal."""
     params = init(CONFIG, jax.random.key(0))
@@ -73,6 +74,7 @@ def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_keep_attention_spares_the_backward_the_forward_kernel():
     """Under `full` the backward re-runs the sparse MLA forward kernel of every rematerialised layer;
     `full_keep_attention` keeps its outputs, so it runs once per layer, as without remat."""
@@ -82,6 +84,7 @@ def test_keep_attention_spares_the_backward_the_forward_kernel():
     assert keep["_backward_kernel"] == full["_backward_kernel"] == none["_backward_kernel"] > 0
 
 
+@pytest.mark.slow
 def test_on_tpu_the_target_is_written_by_the_forward_kernel():
     """No stand-alone target kernel on TPU: the forward kernel writes the KL target, so keeping it
     (`full_keep_dsa_target`) spares no kernel run against `full` (the backward re-runs the forward kernel for its

@@ -65,6 +65,7 @@ def test_one_device_is_the_context_one_case_with_offset_zero():
     assert (out == q + 1).all()
 
 
+@pytest.mark.slow
 def test_plan_splits_activations_and_counts_key_all_gathers():
     # Activations split 4 ways. (With `ep` the experts' receive buffers also change shape: they are spread over
     # `context` too, so these are compared with the experts on every chip.)

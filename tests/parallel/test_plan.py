@@ -17,6 +17,7 @@ from glm5_jax.parallel.plan import PlanError, PlanSettings, plan
 TINY = load_model_config("configs/tiny.yaml", ["moe_backend=ep"])
 
 
+@pytest.mark.slow
 def test_unsharded_params_grads_and_adamw_state_match_parameter_counts():
     report = plan(TINY, MeshConfig(), PlanSettings(batch=2, seq=32, optimizer="adamw"))
     memory = report["memory_bytes"]
@@ -33,6 +34,7 @@ def test_unsharded_params_grads_and_adamw_state_match_parameter_counts():
     assert memory["optimizer_state"] > muon["optimizer_state"] > memory["optimizer_state"] // 2
 
 
+@pytest.mark.slow
 def test_data_parallel_all_reduce_and_fsdp_volumes():
     total = 4 * count_params(TINY)["total"]
     data = plan(TINY, MeshConfig(data=2), PlanSettings(batch=2, seq=32))
@@ -45,6 +47,7 @@ def test_data_parallel_all_reduce_and_fsdp_volumes():
     assert comm["fsdp_reduce_scatter"] * 2 == comm["fsdp_all_gather"]  # gathered for forward and backward
 
 
+@pytest.mark.slow
 def test_remat_and_capacity_reduce_activation_memory():
     settings = dict(batch=8, seq=64)
     mesh = MeshConfig(expert=8)
@@ -56,6 +59,7 @@ def test_remat_and_capacity_reduce_activation_memory():
     assert capped_memory["activations_saved"] < none["activations_saved"]
 
 
+@pytest.mark.slow
 def test_glm5_on_256_h200():
     config = load_model_config("configs/glm5_744b.yaml", ["moe_backend=ep", "attention_backend=pallas"])
     report = plan(config, MeshConfig(fsdp=32, expert=8), PlanSettings(batch=256, seq=4096, remat="full"))

@@ -66,8 +66,8 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     return units
 
 
-# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=0` of the suite at b3b0f5e
-# (2026-12-02, clean clone, cold compile cache, the cores shared with a pod compile: only their order is used).
+# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=0` of the suite at 47ab164
+# (2026-12-03, clean clone, cold compile cache, idle machine; `CI=true PYTEST_ADDOPTS=--durations=0 .ci/run`).
 # A test not listed counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
 MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
 SLOW_SECONDS, FAST_SECONDS = 15, 1

@@ -144,10 +144,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # Ahead-of-time compiles for TPUs and GPUs (the tpu_aot / gpu_aot tests) at XLA's optimization level O0: the
 # same compilers (libtpu's XLA and Mosaic, the CUDA plugin's XLA and Triton) check the same programs (they
 # compile, their kernels fit, their collectives and FLOPs are what the tests require) with less scheduling
-# effort: 30-40% less CPU on the whole-step compiles (a v5p MoE layer's step 55 -> 32 s, the h200-16 step
-# 123 -> 89 s, a Mosaic kernel at GLM-5's shapes 20 -> 14 s; 2026-12-03). `glm5 compile` and the benchmarks
-# keep the default level, so the pod figures in BENCHMARKS.md are the default's. The level is part of the
-# compile cache's key, and CPU compiles run at the default again after the test.
+# effort: 22% less CPU for a Mosaic kernel at GLM-5's shapes plus a v5p MoE layer's step (113 and 105 s -> 83
+# and 87 s of user time, back to back, 2026-12-03; libtpu's LLO scheduling is most of it). `glm5 compile` and
+# the benchmarks keep the default level, so the pod figures in BENCHMARKS.md are the default's. The level is
+# part of the compile cache's key, and CPU compiles run at the default again after the test.
 AOT_MARKERS = ("tpu_aot", "gpu_aot")
 
 

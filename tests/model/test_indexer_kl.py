@@ -63,10 +63,10 @@ def _kl_config(backward: str, query_chunk: int, monkeypatch) -> ModelConfig:
     return ModelConfig(index_query_chunk=query_chunk, attention_backend="pallas")
 
 
-KL_CASES = [  # selector, dtype, backward, query_chunk; the Mosaic backward (interpret mode, ~6 s) in query blocks only
+KL_CASES = [  # selector, dtype, backward, query_chunk; the Mosaic backward (interpret mode) in query blocks only
     *((selector, dtype, "jnp", chunk) for selector, dtype in [("jnp", "float32"), ("pallas", "float32"),
                                                               ("jnp", "bfloat16")] for chunk in (0, 4)),
-    # ~11 s each on a 2-core VM: the full suite's
+    # ~11 s each on a 2-core VM: in the full suite only
     pytest.param("jnp", "float32", "mosaic", 4, marks=pytest.mark.slow),
     pytest.param("jnp", "bfloat16", "mosaic", 4, marks=pytest.mark.slow),
 ]

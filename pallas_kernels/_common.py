@@ -172,9 +172,15 @@ def static_q_offset(q_offset, cost_q_offset: int | None = None) -> int | None:
     key tile counted)."""
     if isinstance(q_offset, int):
         return q_offset
-    if cost_q_offset is not None and (not isinstance(cost_q_offset, int) or cost_q_offset < 0):
-        raise ValueError(f"cost_q_offset must be None or a non-negative int; got {cost_q_offset!r}")
+    check_cost_offset(cost_q_offset)
     return cost_q_offset
+
+
+def check_cost_offset(cost_q_offset) -> None:
+    """cost_q_offset (the static query position a kernel's declared cost assumes): None or a Python int >= 0."""
+    if cost_q_offset is not None and (not isinstance(cost_q_offset, int) or isinstance(cost_q_offset, bool)
+                                      or cost_q_offset < 0):
+        raise ValueError(f"cost_q_offset must be None or a non-negative int; got {cost_q_offset!r}")
 
 
 def positions_and_segments(q_offset, q_segment_ids, k_segment_ids, batch: int, q_len: int, k_len: int):

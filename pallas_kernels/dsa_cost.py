@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kernel_cost import declared_cost
@@ -81,6 +82,18 @@ def gathered_rows_cost(programs: int, row_bytes: int, moved_bytes: int, *, flops
     gathered rows (`row_bytes`: its N rows, re-read from HBM even when queries share them)."""
     return KernelCost(flops=programs * flops, transcendentals=programs * transcendentals,
                       bytes_accessed=moved_bytes + programs * row_bytes)
+
+
+def causal_row_blocks(first_position: int | None, num_queries: int, num_slots: int, block_n: int) -> int:
+    """Row blocks of block_n slots the row-gathering kernels visit for `num_queries` queries of one batch row:
+    each program stops after its last block holding a valid slot. A causal self-selection (query s at
+    `first_position` + s picks keys at positions up to its own, unused slots last, as the indexer's top-k
+    returns them) fills at most min(N, position + 1) slots; None (position unknown) counts every block."""
+    full = -(-num_slots // block_n)
+    if first_position is None:
+        return num_queries * full
+    positions = np.arange(first_position, first_position + num_queries)
+    return int(np.minimum(-(-(positions + 1) // block_n), full).sum())
 
 
 def causal_tiles(span: QuerySpan, call_queries: int, block_s: int, block_t: int, key_blocks: int) -> int:

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
     NEG_INF,
+    check_cost_offset,
     check_positive_int,
     check_scale,
     dot_nn,
@@ -238,16 +239,18 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotang
 _sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 
-def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk, interpret):
+def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk, interpret,
+                         cost_q_offset=None):
     """(MlaLayout, interpret resolved) of a sparse MLA call, or a ValueError naming the bad argument."""
     layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
     check_scale(scale)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
+    check_cost_offset(cost_q_offset)
     return layout, resolve_interpret(interpret)
 
 
 def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=512,
-                         interpret=None, platform=None):
+                         interpret=None, platform=None, cost_q_offset=None):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
 
     q: [B, S, H, C+R] absorbed queries; latent: [B, T, C+R] (keys = whole rows, values = first C columns);
@@ -261,9 +264,13 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     bytes per query (S = T = 65536 on v5p: 1.36, 1.05, 0.87 GB of scatter per 256 queries at 256, 512, 1024).
     Differentiable in q and latent, through out and lse.
     platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_sparse_mla.py`) or None (TPU kernels on a TPU backend).
+    On TPU each query's programs stop after its last block of block_n slots holding a valid one (the indexer's
+    top-k puts unused slots last). cost_q_offset: for the TPU kernels' declared cost only, query s sits at
+    position cost_q_offset + s of a causal self-selection, so it fills at most that position + 1 slots
+    (`dsa_cost.causal_row_blocks`); None counts every block.
     """
     layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
-                                             interpret)
+                                             interpret, cost_q_offset)
     if resolve_platform(platform) == "tpu":
-        return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
+        return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
     return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)

@@ -21,7 +21,7 @@ from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla_with_target
 
 
 def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=512,
-                                     interpret=None, platform=None):
+                                     interpret=None, platform=None, cost_q_offset=None):
     """`sparse_mla_attention`'s (out, lse) and `sparse_attention_target`'s target from its lse: (out [B, S, H, C]
     q.dtype, lse fp32 [B, S, H], target fp32 [B, S, N]).
 
@@ -32,9 +32,10 @@ def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank,
     runs the two kernels.
     """
     layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
-                                             interpret)
+                                             interpret, cost_q_offset)
     if resolve_platform(platform) == "tpu":
-        return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
+        return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret,
+                                          cost_q_offset)
     out, lse = sparse_mla_attention(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank, block_n=block_n,
                                     bwd_query_chunk=bwd_query_chunk, interpret=interpret, platform="gpu")
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(latent), indices,

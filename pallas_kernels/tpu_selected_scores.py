@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import (
     check_block,
+    check_cost_offset,
     check_equal,
     check_float_dtype,
     check_int_dtype,
@@ -49,13 +50,15 @@ from pallas_kernels.tpu_sparse_mla import (
     TpuSizes,
     for_each_row_block,
     gather_call,
+    chunk_row_blocks,
     latent_rows,
     valid_slots,
+    wait_row_gradients,
 )
 
 
-def _backward_kernel(idx_smem, idx_ref, keys_hbm, q_ref, w_ref, g_ref, dq_ref, dw_ref, dk_hbm, buf, sem, dk_buf,
-                     dk_sem, *, scale):
+def _backward_kernel(idx_smem, count_smem, idx_ref, keys_hbm, q_ref, w_ref, g_ref, dq_ref, dw_ref, dk_hbm, buf, sem,
+                     dk_buf, dk_sem, *, scale):
     num_keys = keys_hbm.shape[1]
     num_blocks, block_n = idx_ref.shape
     batch, query = pl.program_id(0), pl.program_id(1)
@@ -85,9 +88,8 @@ def _backward_kernel(idx_smem, idx_ref, keys_hbm, q_ref, w_ref, g_ref, dq_ref, d
         return dq + dot_nn(d_logits, rows, precision), dw
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
-    dq, dw = for_each_row_block(idx_smem, keys_hbm, buf, sem, body, init, q)
-    for j in range(max(0, num_blocks - 2), num_blocks):  # the copies still in flight
-        dk_copy(j, j % 2).wait()
+    dq, dw = for_each_row_block(idx_smem, count_smem, keys_hbm, buf, sem, body, init, q)
+    wait_row_gradients(dk_copy, count_smem[0, 0])
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
     dw_ref[...] = dw
 
@@ -113,12 +115,17 @@ def _check_inputs(q_index, k_index, weights, indices, d_scores, block_n: int, bw
 
 
 def selected_scores_backward(q_index, k_index, weights, indices, d_scores, *, block_n: int = 64,
-                             bwd_query_chunk: int = 0, interpret: bool | None = None, platform: str | None = None):
+                             bwd_query_chunk: int = 0, interpret: bool | None = None, platform: str | None = None,
+                             cost_q_offset: int | None = None):
     """(dq [B, S, I, J] in q_index.dtype, dw [B, S, I] in weights.dtype, dk [B, T, J] in k_index.dtype) of the
     index scores at the selection `indices` [B, S, N] (-1 or >= T: unused slot) for their cotangent d_scores
     [B, S, N]: `gathered_scores_backward` on the Mosaic TPU kernel. The key gradient sums the query chunks of
-    `bwd_query_chunk` (0: one chunk) in fp32 and is rounded once. Only `platform` "tpu" has a kernel."""
+    `bwd_query_chunk` (0: one chunk) in fp32 and is rounded once. Only `platform` "tpu" has a kernel.
+    Each query's program stops after its last block of block_n slots holding a valid one. cost_q_offset: for
+    the declared cost only, query s sits at position cost_q_offset + s of a causal self-selection
+    (`dsa_cost.causal_row_blocks`); None counts every block."""
     _check_inputs(q_index, k_index, weights, indices, d_scores, block_n, bwd_query_chunk)
+    check_cost_offset(cost_q_offset)
     if resolve_platform(platform) != "tpu":
         raise ValueError(f"selected_scores_backward has a Mosaic TPU kernel only; got platform={platform!r} "
                          "(elsewhere use pallas_kernels.selected_scores.gathered_scores_backward)")
@@ -134,6 +141,7 @@ def selected_scores_backward(q_index, k_index, weights, indices, d_scores, *, bl
     g = pad_axis(d_scores.astype(jnp.float32), 2, slots)
     rows = latent_rows(k_index, sizes)  # made once, outside the chunk loop
     kernel = functools.partial(_backward_kernel, scale=dim**-0.5)
+    visited = batch * chunk_row_blocks(cost_q_offset, q_len, indices.shape[2], block_n, bwd_query_chunk or q_len)
 
     def chunk_kernel(q_parts, idx_c, keys_parts, g_c):
         (q_c, w_c), blocks = q_parts, (*idx_c.shape[:2], slots // block_n, block_n)
@@ -143,7 +151,7 @@ def selected_scores_backward(q_index, k_index, weights, indices, d_scores, *, bl
             [(q_c.shape, dtype, False), (w_c.shape, jnp.float32, False),
              ((batch, idx_c.shape[1] * slots, sizes.width), dtype, True)],
             scratch=[pltpu.VMEM((2, block_n, sizes.width), dtype), pltpu.SemaphoreType.DMA((2,))],
-            interpret=interpret, transcendentals=0,
+            interpret=interpret, transcendentals=0, visited_blocks=visited,
             flops=selected_scores_backward_flops(sizes.heads, slots, sizes.width))
         return (dq, dw), (dk,)
 

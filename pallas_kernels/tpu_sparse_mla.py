@@ -5,7 +5,9 @@ rows reach the kernel. Mosaic has no pointer gathers, so the latent stays in HBM
 each program (one query, its H heads as matmul rows) copies its selected rows into a VMEM scratch with one
 DMA per row, block_n rows per block, reading the row numbers as scalars from its [N/block_n, block_n]
 block of indices in SMEM. Invalid slots (-1 or >= T) copy row 0 and are masked in the logits. The gathers
-are double-buffered: block j+1's DMAs are started before block j is computed. The forward can also write the
+are double-buffered: block j+1's DMAs are started before block j is computed. A program stops after its query's
+last block holding a valid slot (`row_block_counts`, an SMEM input): the top-k puts unused slots last, so queries
+that see fewer than N keys skip their trailing blocks' DMAs and FLOPs. The forward can also write the
 sparse KL target (`tpu_sparse_mla_with_target`) from the logits it keeps in VMEM, so the rows are gathered once
 for both; `tpu_sparse_target` is the stand-alone target, which gathers them again.
 
@@ -33,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels._common import NEG_INF, dot_nn, dot_nt, dot_tn, pad_axis, round_up, tpu_interpret
 from pallas_kernels.dsa_cost import (
     array_bytes,
+    causal_row_blocks,
     gathered_rows_cost,
     sparse_mla_backward_flops,
     sparse_mla_forward_flops,
@@ -98,15 +101,26 @@ def block_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
     return idx.reshape(*idx.shape[:2], -1, layout.block_n)
 
 
+def row_block_counts(idx: jax.Array, num_keys: int) -> jax.Array:
+    """int32 [B, S, 1, 1]: per query, the number of row blocks up to its last block holding a valid slot (0: none).
+    The programs gather and compute only those: the indexer's top-k puts unused slots (-1) last, so a query
+    with fewer visible keys than N (near a sequence's start) skips its trailing blocks, rows and FLOPs alike.
+    idx: [B, S, Np/block_n, block_n]."""
+    has_valid = ((idx >= 0) & (idx < num_keys)).any(-1)
+    last = jnp.max(jnp.where(has_valid, jnp.arange(1, idx.shape[2] + 1, dtype=jnp.int32), 0), axis=-1)
+    return last.astype(jnp.int32)[:, :, None, None]
+
+
 def valid_slots(idx_ref, j, num_keys: int) -> jax.Array:
     """[1, block_n] mask of block j's slots that name a row in [0, T)."""
     idx = idx_ref[pl.ds(j, 1), :]
     return (idx >= 0) & (idx < num_keys)
 
 
-def for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
-    """carry = body(j, rows [block_n, W], carry) for every block j of this query's selected rows, the rows in
-    the width and dtype of `like` (the query block [Hp, W]).
+def for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, init, like):
+    """carry = body(j, rows [block_n, W], carry) for the first count_smem[0, 0] blocks j of this query's selected
+    rows (`row_block_counts`: the later ones hold no valid slot), the rows in the width and dtype of `like` (the
+    query block [Hp, W]).
 
     Rows are DMA'd from HBM one by one into buf [2, block_n, 1, P]; block j+1's copies are in flight while
     block j is computed. All copies of one buffer signal its semaphore; each wait consumes one row's worth.
@@ -114,7 +128,8 @@ def for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
     of an untiled dimension. Mosaic rejects single-row copies into a [.., block_n, W] buffer, whose second-minor
     dimension is tiled by 8 (16 for packed bf16): the offset n is not tile-aligned.
     """
-    num_blocks, block_n = idx_smem.shape
+    block_n = idx_smem.shape[1]
+    num_blocks = count_smem[0, 0]
     num_keys = lat_hbm.shape[1]
     batch = pl.program_id(0)
 
@@ -136,7 +151,9 @@ def for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
 
         lax.fori_loop(0, block_n, wait_row, 0)
 
-    start(0, 0)
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
 
     def step(j, carry):
         slot = lax.rem(j, 2)
@@ -151,28 +168,42 @@ def for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, like):
     return lax.fori_loop(0, num_blocks, step, init)
 
 
-def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int) -> pl.CostEstimate:
+def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int,
+                 visited_blocks: int | None) -> pl.CostEstimate:
     """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
-    `gathered_rows_cost` over the B x S programs, each gathering N_p rows of P as stored: a (1, P) tile of a
-    type narrower than 32 bits is padded to whole 32-bit words (bf16: (2, 128) tiles), which the DMA reads."""
-    row_bytes = idx.shape[2] * idx.shape[3] * latent.shape[-1] * max(latent.dtype.itemsize, 4)
-    moved = array_bytes(idx, *per_query) + sum(math.prod(shape) * jnp.dtype(dtype).itemsize
-                                               for shape, dtype, _ in out_shapes)
-    return gathered_rows_cost(idx.shape[0] * idx.shape[1], row_bytes, moved, flops=flops,
-                              transcendentals=transcendentals).estimate()
+    `visited_blocks` row blocks over the B x S programs (None: every block), each gathering block_n rows of P
+    as stored (a (1, P) tile of a type narrower than 32 bits is padded to whole 32-bit words, which the DMA
+    reads), and the per-program `flops` / `transcendentals` and HBM outputs (per-slot rows) in proportion; the
+    per-query inputs and outputs once."""
+    batch, q_len, num_blocks, block_n = idx.shape
+    every_block = batch * q_len * num_blocks
+    visited = every_block if visited_blocks is None else visited_blocks
+
+    def share(total: int) -> int:  # work proportional to the slots a program visits
+        return total * visited // every_block
+
+    block_bytes = block_n * latent.shape[-1] * max(latent.dtype.itemsize, 4)
+    outputs = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _ in out_shapes]
+    moved = array_bytes(idx, *per_query) + sum(share(size) if hbm else size
+                                               for size, (_, _, hbm) in zip(outputs, out_shapes))
+    return gathered_rows_cost(1, visited * block_bytes, moved, flops=share(batch * q_len * flops),
+                              transcendentals=share(batch * q_len * transcendentals)).estimate()
 
 
 def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
-                transcendentals: int):
+                transcendentals: int, visited_blocks: int | None = None):
     """pallas_call over grid (B, S) for a row-gathering kernel.
 
-    Kernel arguments: idx (SMEM), idx (VMEM), latent (`latent_rows`, [B, T, 1, P], HBM), the per-query inputs,
-    the outputs, then the row buffer [2, block_n, 1, P], its DMA semaphores and `scratch`.
+    Kernel arguments: idx (SMEM), the query's row-block count [1, 1] (SMEM, `row_block_counts`), idx (VMEM),
+    latent (`latent_rows`, [B, T, 1, P], HBM), the per-query inputs, the outputs, then the row buffer
+    [2, block_n, 1, P], its DMA semaphores and `scratch`.
     idx: [B, S, Np/block_n, block_n]; per-query inputs and outputs are [B, S, a, b] arrays read/written one
     [a, b] block per program, or HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
-    flops / transcendentals: per program.
+    flops / transcendentals: per program, over all Np slots. visited_blocks: the row blocks the declared cost
+    counts over the whole grid (`dsa_cost.causal_row_blocks`; None: every block).
     """
     batch, q_len, _, block_n = idx.shape
+    counts = row_block_counts(idx, latent.shape[1])
 
     def per_query_spec(shape, memory_space=None):
         kwargs = {} if memory_space is None else dict(memory_space=memory_space)
@@ -183,19 +214,21 @@ def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inter
     return pl.pallas_call(
         kernel,
         grid=(batch, q_len),
-        in_specs=[per_query_spec(idx.shape, pltpu.SMEM), per_query_spec(idx.shape),
-                  pl.BlockSpec(memory_space=pl.ANY), *(per_query_spec(x.shape) for x in per_query)],
+        in_specs=[per_query_spec(idx.shape, pltpu.SMEM), per_query_spec(counts.shape, pltpu.SMEM),
+                  per_query_spec(idx.shape), pl.BlockSpec(memory_space=pl.ANY),
+                  *(per_query_spec(x.shape) for x in per_query)],
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
         scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype),
                         pltpu.SemaphoreType.DMA((2,)), *scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        cost_estimate=_gather_cost(idx, latent, per_query, out_shapes, flops=flops, transcendentals=transcendentals),
+        cost_estimate=_gather_cost(idx, latent, [counts, *per_query], out_shapes, flops=flops,
+                                   transcendentals=transcendentals, visited_blocks=visited_blocks),
         interpret=tpu_interpret(interpret),
-    )(idx, idx, latent, *per_query)
+    )(idx, counts, idx, latent, *per_query)
 
 
-def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, scale, values, heads):
+def _forward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, scale, values, heads):
     """One query's out [Hp, V] and lse [Hp, 1]; with the KL target (refs = target_ref, buf, sem, scores), also
     sum_h exp(logit - lse_h) / H at every slot, from the logits kept in `scores` [Np/block_n, Hp, block_n]
     (fp32, GLM-5: 512 KiB) as the row blocks arrive: the rows are gathered once for both. `heads`: the real H."""
@@ -220,7 +253,7 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, 
 
     init = (jnp.full((heads_padded, 1), NEG_INF, jnp.float32), jnp.zeros((heads_padded, 1), jnp.float32),
             jnp.zeros((heads_padded, values), jnp.float32))
-    row_max, row_sum, acc = for_each_row_block(idx_smem, lat_hbm, buf, sem, body, init, q)
+    row_max, row_sum, acc = for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, init, q)
     has_valid = row_sum > 0
     safe_sum = jnp.where(has_valid, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum).astype(out_ref.dtype)
@@ -239,11 +272,17 @@ def _forward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, 
         target_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True) * (1.0 / heads)
         return carry
 
-    lax.fori_loop(0, scores.shape[0], write_target, 0)
+    def zero_target(j, carry):  # blocks past the last valid slot: no probability
+        target_ref[pl.ds(j, 1), :] = jnp.zeros((1, target_ref.shape[1]), target_ref.dtype)
+        return carry
+
+    visited = count_smem[0, 0]
+    lax.fori_loop(0, visited, write_target, 0)
+    lax.fori_loop(visited, scores.shape[0], zero_target, 0)
 
 
-def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_ref, dq_ref, dk_hbm, buf, sem,
-                     dk_buf, dk_sem, *, scale, values):
+def _backward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_ref, dq_ref, dk_hbm, buf,
+                     sem, dk_buf, dk_sem, *, scale, values):
     num_keys = lat_hbm.shape[1]
     num_blocks, block_n = idx_ref.shape
     batch, query = pl.program_id(0), pl.program_id(1)
@@ -276,13 +315,24 @@ def _backward_kernel(idx_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_r
         dk_copy(j, slot).start()
         return dq + dot_nn(d_logits, rows)
 
-    dq = for_each_row_block(idx_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
-    for j in range(max(0, num_blocks - 2), num_blocks):  # the copies still in flight
-        dk_copy(j, j % 2).wait()
+    dq = for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
+    wait_row_gradients(dk_copy, count_smem[0, 0])
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
 
 
-def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with_target: bool = False):
+def wait_row_gradients(dk_copy, visited) -> None:
+    """Wait for the per-slot row-gradient copies still in flight: those of the last two visited blocks. Blocks
+    past them were never written (their slots are unused: the scatter drops their rows)."""
+    for back in (2, 1):
+        j = visited - back
+
+        @pl.when(j >= 0)
+        def _():
+            dk_copy(j, lax.rem(j, 2)).wait()
+
+
+def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with_target: bool = False,
+             cost_q_offset: int | None = None):
     """(out, lse), and with_target the KL target [B, S, N] fp32 (L1-normalised head sum) from the same program."""
     sizes = TpuSizes.of(layout)
     q_p = pad_queries(q, sizes)
@@ -300,7 +350,8 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with
     results = gather_call(
         functools.partial(_forward_kernel, scale=scale, values=sizes.values, heads=layout.heads),
         idx, latent_rows(latent, sizes), [q_p], outputs, scratch=scratch, interpret=interpret, flops=flops,
-        transcendentals=transcendentals)
+        transcendentals=transcendentals,
+        visited_blocks=batch * causal_row_blocks(cost_q_offset, q_len, layout.num_slots, layout.block_n))
     out, lse = results[0][:, :, : layout.heads, : layout.latent_dim], results[1][:, :, : layout.heads, 0]
     if not with_target:
         return out, lse
@@ -308,22 +359,31 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with
     return out, lse, target.reshape(*target.shape[:2], -1)[:, :, : layout.num_slots]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def tpu_sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def tpu_sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset=None):
     """The TPU kernels behind `sparse_mla_attention(..., platform="tpu")` (inputs already validated)."""
-    return _forward(q, latent, indices, scale, layout, interpret)
+    return _forward(q, latent, indices, scale, layout, interpret, cost_q_offset=cost_q_offset)
 
 
-def _tpu_sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
-    out, lse = _forward(q, latent, indices, scale, layout, interpret)
+def _tpu_sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
+    out, lse = _forward(q, latent, indices, scale, layout, interpret, cost_q_offset=cost_q_offset)
     return (out, lse), (q, latent, indices, out, lse)
 
 
-def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+def chunk_row_blocks(cost_q_offset: int | None, q_len: int, num_slots: int, block_n: int, chunk: int) -> int:
+    """Row blocks one call of `chunked_backward`'s loop body declares per batch row: the queries' total
+    (`causal_row_blocks`) spread evenly over the chunks, rounded up (one compiled body serves every chunk)."""
+    calls = -(-q_len // min(chunk, q_len))
+    return -(-causal_row_blocks(cost_q_offset, q_len, num_slots, block_n) // calls)
+
+
+def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals, cotangents):
     q, latent, indices, out, lse = residuals
     d_out, d_lse = cotangents
     sizes = TpuSizes.of(layout)
     kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values)
+    visited = q.shape[0] * chunk_row_blocks(cost_q_offset, q.shape[1], layout.num_slots, layout.block_n,
+                                            bwd_query_chunk)
 
     rows = latent_rows(latent, sizes)  # made once, outside the chunk loop
 
@@ -337,7 +397,8 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
                                              True)],
             scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), latent.dtype), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
-            flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values))
+            flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values),
+            visited_blocks=visited)
         return (dq,), (dk,)
 
     do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
@@ -352,27 +413,29 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, co
 tpu_sparse_mla.defvjp(_tpu_sparse_mla_fwd, _tpu_sparse_mla_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def tpu_sparse_mla_with_target(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def tpu_sparse_mla_with_target(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset=None):
     """`tpu_sparse_mla` that also returns the sparse KL target from the same program (one gather of the rows);
     the target is a constant: its cotangent is dropped and the backward is `tpu_sparse_mla`'s."""
-    return _forward(q, latent, indices, scale, layout, interpret, with_target=True)
+    return _forward(q, latent, indices, scale, layout, interpret, with_target=True, cost_q_offset=cost_q_offset)
 
 
-def _tpu_sparse_mla_with_target_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
-    out, lse, target = _forward(q, latent, indices, scale, layout, interpret, with_target=True)
+def _tpu_sparse_mla_with_target_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
+    out, lse, target = _forward(q, latent, indices, scale, layout, interpret, with_target=True,
+                                cost_q_offset=cost_q_offset)
     return (out, lse, target), (q, latent, indices, out, lse)
 
 
-def _tpu_sparse_mla_with_target_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+def _tpu_sparse_mla_with_target_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals,
+                                    cotangents):
     d_out, d_lse, _ = cotangents
-    return _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, (d_out, d_lse))
+    return _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals, (d_out, d_lse))
 
 
 tpu_sparse_mla_with_target.defvjp(_tpu_sparse_mla_with_target_fwd, _tpu_sparse_mla_with_target_bwd)
 
 
-def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale):
+def _target_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale):
     num_keys = lat_hbm.shape[1]
     q = q_ref[...]  # [Hp, W]
     lse = lse_ref[...]  # [Hp, 1]; padded heads +1e30, so their probabilities are 0
@@ -383,7 +446,13 @@ def _target_kernel(idx_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem
         out_ref[pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
         return carry
 
-    for_each_row_block(idx_smem, lat_hbm, buf, sem, body, 0, q)
+    for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, 0, q)
+
+    def zero(j, carry):  # blocks past the last valid slot
+        out_ref[pl.ds(j, 1), :] = jnp.zeros((1, out_ref.shape[1]), out_ref.dtype)
+        return carry
+
+    lax.fori_loop(count_smem[0, 0], idx_ref.shape[0], zero, 0)
 
 
 def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_head_lse: float, interpret: bool):

@@ -92,3 +92,10 @@ def declared_offset(q_offset, num_keys: int, chunk_len: int) -> int | None:
     chunks, (T - L) / 2, at which a chip's two calls together declare the causal key tiles it visits (the same
     total on every chip, up to block rounding) instead of every tile twice."""
     return None if isinstance(q_offset, int) else (num_keys - chunk_len) // 2
+
+
+def causal_cost_offset(q_offset, num_keys: int, chunk_len: int) -> int:
+    """The static position of a `context_local` call's first query for a kernel whose declared cost counts only
+    what a causal self-selection can fill (the sparse MLA kernels): q_offset itself when it is a Python int,
+    under a split `declared_offset`'s mean of a chip's two chunks."""
+    return q_offset if isinstance(q_offset, int) else declared_offset(q_offset, num_keys, chunk_len)

@@ -137,7 +137,8 @@ class MLA(nnx.Module):
             heads = context_local(selected_attention, mesh, (queries, q_segment_ids, indices),
                                   (keys, values, k_segment_ids))
         else:
-            latent_out = sparse_attention(self.absorbed_queries(proj), proj.rows, indices, config=config, mesh=mesh)
+            latent_out = sparse_attention(self.absorbed_queries(proj), proj.rows, indices, config=config, mesh=mesh,
+                                          q_offset=q_offset if isinstance(q_offset, int) else None)
             heads = self.latent_to_heads(latent_out)
         return self.output_projection(heads)
 

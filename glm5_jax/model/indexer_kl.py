@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.distributed.context_local import context_local
-from glm5_jax.distributed.context_order import to_balanced, to_natural
+from glm5_jax.distributed.context_order import causal_cost_offset, to_balanced, to_natural
 from glm5_jax.model.attention import MLA, Projection
 from glm5_jax.model.context import LayerContext
 from glm5_jax.model.indexer import Indexer
@@ -54,33 +54,34 @@ def selected_scores(q_i, w_i, k_i, topk, query_chunk):
     return jax.lax.stop_gradient(jnp.where(topk >= 0, scores, NEG_INF))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _scores_at_selection(scores, q_i, w_i, k_i, topk, config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _scores_at_selection(scores, q_i, w_i, k_i, topk, config, cost_q_offset):
     """`scores` (the selection's own, a constant) as the forward value, differentiated as the gathered index
     scores at `topk` are: the backward (`ops.selected_scores_backward`: jnp, or the Mosaic kernel on TPU) gathers
     the selected keys and recomputes the per-head logits once per query block, instead of the forward, its
-    recompute and the backward each doing so."""
+    recompute and the backward each doing so. cost_q_offset: the static position of query 0 in its causal
+    selection, for the kernel's declared cost."""
     return scores
 
 
-def _scores_at_selection_fwd(scores, q_i, w_i, k_i, topk, config):
+def _scores_at_selection_fwd(scores, q_i, w_i, k_i, topk, config, cost_q_offset):
     return scores, (q_i, w_i, k_i, topk)
 
 
-def _scores_at_selection_bwd(config, residuals, g):
+def _scores_at_selection_bwd(config, cost_q_offset, residuals, g):
     q_i, w_i, k_i, topk = residuals
-    dq, dw, dk = selected_scores_backward(q_i, w_i, k_i, topk, g, config=config)
+    dq, dw, dk = selected_scores_backward(q_i, w_i, k_i, topk, g, config=config, cost_q_offset=cost_q_offset)
     return None, dq, dw, dk, None
 
 
 _scores_at_selection.defvjp(_scores_at_selection_fwd, _scores_at_selection_bwd)
 
 
-def _selected_kl(p, scores, q_i, w_i, k_i, topk, config):
+def _selected_kl(p, scores, q_i, w_i, k_i, topk, config, cost_q_offset):
     """KL(p || softmax of the index scores at the selected keys) per query [B, S]. Its value reads `scores`, the
     selection's own scores at `topk` (no gather); its gradient in q_i, w_i and k_i is the gathered scores'
     (`_scores_at_selection`): softmax(scores) - p on the valid slots, through the per-head logits."""
-    scores = _scores_at_selection(jax.lax.stop_gradient(scores), q_i, w_i, k_i, topk, config)
+    scores = _scores_at_selection(jax.lax.stop_gradient(scores), q_i, w_i, k_i, topk, config, cost_q_offset)
     return _kl(p, scores, topk >= 0)
 
 
@@ -116,8 +117,9 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
         if scores is None:
             scores = scores_at(indexer, h, proj, topk, ctx, mesh)
         # The backward's Mosaic kernel must see its device's rows only (GSPMD cannot partition it).
-        kl = context_local(lambda _, p, scores, q_i, w_i, topk, k_i: _selected_kl(p, scores, q_i, w_i, k_i, topk,
-                                                                                 config),
+        kl = context_local(lambda chip_offset, p, scores, q_i, w_i, topk, k_i: _selected_kl(
+                               p, scores, q_i, w_i, k_i, topk, config,
+                               causal_cost_offset(chip_offset, k_i.shape[1], q_i.shape[1])),
                            mesh, (p, scores, q_i, w_i, topk), (k_i,),
                            local_rows=uses_selected_scores_kernel(config))
         captured = jnp.where(ctx.token_mask, 1.0, 0.0)  # the attention *is* the selected set

@@ -26,11 +26,14 @@ def uses_selected_scores_kernel(config: ModelConfig) -> bool:
 
 
 def selected_scores_backward(q: jax.Array, weights: jax.Array, keys: jax.Array, topk: jax.Array,
-                             d_scores: jax.Array, *, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                             d_scores: jax.Array, *, config: ModelConfig,
+                             cost_q_offset: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dw, dk) of the fp32 index scores at `topk` [B, S, N] (-1 = unused slot) of indexer queries
     q [B, S, I, J], head weights [B, S, I] and keys [B, T, J], for their cotangent d_scores [B, S, N] (zero on
-    unused slots); query blocks of `index_query_chunk`, the key gradient summed over them in fp32."""
+    unused slots); query blocks of `index_query_chunk`, the key gradient summed over them in fp32.
+    cost_q_offset: for a causal self-selection, the position of query 0 (the kernel's declared cost)."""
     if uses_selected_scores_kernel(config):
         return selected_scores_backward_kernel(q, keys, weights, topk, d_scores,
-                                               bwd_query_chunk=config.index_query_chunk, **config.pallas_options)
+                                               bwd_query_chunk=config.index_query_chunk,
+                                               cost_q_offset=cost_q_offset, **config.pallas_options)
     return gathered_scores_backward(q, weights, keys, topk, d_scores, config.index_query_chunk)

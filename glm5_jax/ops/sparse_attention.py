@@ -21,23 +21,31 @@ from glm5_jax.config.mesh import CONTEXT_AXIS
 from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.distributed.context_cache import against_cache
 from glm5_jax.distributed.context_local import context_local, require_whole_sequences
-from glm5_jax.distributed.context_order import declared_offset
+from glm5_jax.distributed.context_order import causal_cost_offset, declared_offset
 from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import dense_attention_target, sparse_mla_attention, sparse_mla_attention_with_target
 from pallas_kernels.sparse_latent import sparse_latent_attention
 
 
-def _kernel_attention(q, rows, indices, config: ModelConfig):
+def _kernel_attention(q, rows, indices, config: ModelConfig, cost_q_offset: int | None = None):
     return sparse_mla_attention(q, rows, indices, scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
-                                **config.pallas_options)
+                                cost_q_offset=cost_q_offset, **config.pallas_options)
 
 
-def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
-                     mesh=None) -> jax.Array:
-    """The latent attention output [B, S, H, C] over the selected rows."""
-    attend = _kernel_attention if uses_kernels(config) else _jnp_attention
-    return context_local(lambda _, q, indices, rows: attend(q, rows, indices, config)[0], mesh, (q, indices),
-                         (rows,), local_rows=uses_kernels(config))
+def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig, mesh=None,
+                     q_offset: int | None = None) -> jax.Array:
+    """The latent attention output [B, S, H, C] over the selected rows. q_offset: for a causal selection over the
+    queries' own sequence, the row of query 0 (the kernels then declare only the row blocks each query can
+    fill); None (decoding against a cache) declares every block."""
+    if not uses_kernels(config):
+        return context_local(lambda _, q, indices, rows: _jnp_attention(q, rows, indices, config)[0], mesh,
+                             (q, indices), (rows,))
+
+    def kernels(chip_offset, q, indices, rows):
+        cost = None if q_offset is None else q_offset + causal_cost_offset(chip_offset, rows.shape[1], q.shape[1])
+        return _kernel_attention(q, rows, indices, config, cost)[0]
+
+    return context_local(kernels, mesh, (q, indices), (rows,), local_rows=True)
 
 
 def cache_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig,
@@ -82,17 +90,18 @@ def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Arr
     """(latent output [B, S, H, C], the head-mean probabilities at the selected keys [B, S, N] fp32, a constant).
     The jnp path returns the target from its forward pass; the kernels from theirs too on TPU (one gather of the
     selected rows for both), on GPU from a second kernel over the lse (`sparse_mla_attention_with_target`).
-    Neither keeps gathered rows for the backward."""
+    Neither keeps gathered rows for the backward. `indices` are the queries' own causal selection (DSA training):
+    the kernels declare only the row blocks it can fill."""
     if not uses_kernels(config):
         def jnp_path(_, q, indices, rows):
             latent, _, target = _jnp_attention(q, rows, indices, config)
             return latent, target
         return context_local(jnp_path, mesh, (q, indices), (rows,))
 
-    def kernels(_, q, indices, rows):
-        latent, _, target = sparse_mla_attention_with_target(q, rows, indices, scale=config.softmax_scale,
-                                                             kv_lora_rank=config.kv_lora_rank,
-                                                             **config.pallas_options)
+    def kernels(chip_offset, q, indices, rows):
+        latent, _, target = sparse_mla_attention_with_target(
+            q, rows, indices, scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
+            cost_q_offset=causal_cost_offset(chip_offset, rows.shape[1], q.shape[1]), **config.pallas_options)
         return latent, target
 
     return context_local(kernels, mesh, (q, indices), (rows,), local_rows=True)
@@ -110,7 +119,8 @@ def dense_attention_with_target(q: jax.Array, rows: jax.Array, visible: jax.Arra
 
     def kernels(q_offset, q, visible, q_segment_ids, rows, k_segment_ids):
         every_visible = jnp.where(visible, jnp.arange(visible.shape[-1]), -1).astype(jnp.int32)
-        latent, _ = _kernel_attention(q, rows, every_visible, config)
+        latent, _ = _kernel_attention(q, rows, every_visible, config,
+                                      causal_cost_offset(q_offset, rows.shape[1], q.shape[1]))
         target = dense_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows),
                                         scale=config.softmax_scale, q_segment_ids=q_segment_ids,
                                         k_segment_ids=k_segment_ids, q_offset=q_offset,

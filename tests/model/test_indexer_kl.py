@@ -89,7 +89,7 @@ def test_kl_from_the_selection_scores_equals_the_gathered_kl(selector, dtype, ba
     p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
 
     def new(q, w, k):
-        return _selected_kl(p, scores, q, w, k, topk, config)
+        return _selected_kl(p, scores, q, w, k, topk, config, None)
 
     def old(q, w, k):
         return gathered_kl(p, q, w, k, topk, query_chunk)
@@ -123,7 +123,7 @@ MODEL_CASES = {  # backend, pallas options (None: the config's own), indexer typ
 }
 
 
-def _gathered_kl(p, scores, q_i, w_i, k_i, topk, config):
+def _gathered_kl(p, scores, q_i, w_i, k_i, topk, config, cost_q_offset):
     return gathered_kl(p, q_i, w_i, k_i, topk, config.index_query_chunk)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.dsa_cost import (
     KernelCost,
     array_bytes,
+    causal_row_blocks,
     causal_tiles,
     dense_target_cost,
     gathered_rows_cost,
@@ -31,6 +32,18 @@ def test_causal_tiles_count_the_key_blocks_up_to_each_query_blocks_last_position
     # 2 + 3 + 4 = 9 tiles over 2 calls: 5 each (rounded up).
     assert causal_tiles((0, 10, 2), 8, 4, 4, 3) == 3
     assert causal_tiles((4, 10, 2), 8, 4, 4, 4) == 5
+
+
+def test_causal_row_blocks_count_the_blocks_each_query_can_fill():
+    # N 40 slots in blocks of 16 (3 blocks); queries at positions 0..5 fill 1..6 slots: one block each.
+    assert causal_row_blocks(0, 6, 40, 16) == 6
+    # Positions 14..17 fill 15, 16, 17, 18 slots: 1, 1, 2, 2 blocks; from 40 on every query fills all 3.
+    assert causal_row_blocks(14, 4, 40, 16) == 6
+    assert causal_row_blocks(40, 5, 40, 16) == 15
+    # GLM-5 at S = T = 4096, N 2048, blocks of 64: 64 x (1 + ... + 32) + 2048 x 32 of 4096 x 32 (75.8%).
+    assert causal_row_blocks(0, 4096, 2048, 64) == 64 * 528 + 2048 * 32
+    # Unknown positions (a traced offset, decoding): every block of every query.
+    assert causal_row_blocks(None, 7, 40, 16) == 21
 
 
 def test_sparse_mla_flops_per_query():

@@ -148,3 +148,43 @@ def test_forward_with_target_declares_the_target_work():
     assert fused["flops"] - plain["flops"] == 2 * scores
     assert fused["transcendentals"] - plain["transcendentals"] == scores
     assert fused["bytes_accessed"] - plain["bytes_accessed"] == 4 * GLM5.batch * GLM5.q_len * GLM5.slots
+
+
+@pytest.mark.tpu_aot
+def test_causal_selection_declares_only_the_row_blocks_it_can_fill():
+    """With cost_q_offset (queries at positions q_offset.. of a causal self-selection) the sparse MLA forward and
+    backward and the KL's backward declare the rows, FLOPs and per-slot row gradients of `causal_row_blocks`
+    instead of every block: their programs stop after the last block with a valid slot."""
+    from pallas_kernels.dsa_cost import causal_row_blocks
+
+    g, sds = GLM5, jax.ShapeDtypeStruct
+    width, dtype = g.latent_dim + g.rope_dim, jnp.bfloat16
+    q, latent = sds((g.batch, g.q_len, g.heads, width), dtype), sds((g.batch, g.k_len, width), dtype)
+    q_index = sds((g.batch, g.q_len, g.index_heads, g.index_dim), dtype)
+    k_index = sds((g.batch, g.k_len, g.index_dim), dtype)
+    weights = sds((g.batch, g.q_len, g.index_heads), jnp.float32)
+    d_scores = sds((g.batch, g.q_len, g.slots), jnp.float32)
+    indices = jnp.zeros((g.batch, g.q_len, g.slots), jnp.int32)  # concrete: the functions trace the rest only
+    offset = 64  # queries at positions 64..319 select at most 65..320 of the 2048 slots
+    compiled = dict(block_n=g.block_n, bwd_query_chunk=g.q_len, platform="tpu", interpret=False)
+
+    def attention_grad(cost_q_offset):
+        attention = functools.partial(sparse_mla_attention, scale=width**-0.5, kv_lora_rank=g.latent_dim,
+                                      cost_q_offset=cost_q_offset, **compiled)
+        return jax.grad(lambda q, latent: jnp.sum(attention(q, latent, indices)[0].astype(jnp.float32)),
+                        argnums=(0, 1))
+
+    def kl_backward(cost_q_offset):
+        return lambda q, k, w, g: selected_scores_backward(q, k, w, indices, g, cost_q_offset=cost_q_offset,
+                                                           **compiled)
+
+    every, causal = ([*_declared_costs(attention_grad(c), (q, latent), "v5p"),
+                      *_declared_costs(kl_backward(c), (q_index, k_index, weights, d_scores), "v5p")]
+                     for c in (None, offset))
+    blocks = g.slots // g.block_n
+    visited = causal_row_blocks(offset, g.q_len, g.slots, g.block_n)
+    assert visited < g.q_len * blocks // 5  # a sixth of the blocks at most
+    assert len(every) == len(causal) == 3  # the forward (for the backward's residuals), its backward, the KL's
+    for full, fewer in zip(every, causal):
+        assert fewer["flops"] == full["flops"] * visited // (g.q_len * blocks)
+        assert fewer["bytes_accessed"] < full["bytes_accessed"] * 0.2

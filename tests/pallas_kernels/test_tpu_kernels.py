@@ -47,10 +47,12 @@ def _indices(seed, batch, q_len, num_keys, num_slots):
 
 
 # (batch, S, T, H, C, R, N, block_n, dtype, bwd_query_chunk): N not a multiple of block_n, S = 1, H = 1 and 4,
-# more queries than one backward chunk (padded last chunk).
+# more queries than one backward chunk (padded last chunk). "_unused_last": each query's valid slots first and
+# its unused ones (-1) last, as the indexer's top-k returns them, so the programs skip whole trailing blocks.
 CASES = {
     "h4_f32": (2, 3, 40, 4, 24, 8, 20, 16, jnp.float32, 2),
     "h1_s1_bf16": (1, 1, 20, 1, 32, 16, 5, 16, jnp.bfloat16, 256),
+    "h4_f32_unused_last": (2, 5, 60, 4, 24, 8, 40, 16, jnp.float32, 2),
 }
 TOLERANCE = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
@@ -62,6 +64,8 @@ def sparse_case(request):
     q = jax.random.normal(keys[0], (batch, q_len, heads, c_dim + r_dim)).astype(dtype)
     latent = jax.random.normal(keys[1], (batch, num_keys, c_dim + r_dim)).astype(dtype)
     indices = _indices(heads, batch, q_len, num_keys, num_slots)
+    if request.param.endswith("_unused_last"):
+        indices = -jnp.sort(-indices, axis=-1)  # keys >= 0 first, -1 last (query (0, 1)'s index >= T leads)
     d_out = jax.random.normal(keys[2], (batch, q_len, heads, c_dim)).astype(dtype)
     d_lse = jax.random.normal(keys[3], (batch, q_len, heads))
     scale = (c_dim + r_dim) ** -0.5
@@ -216,3 +220,18 @@ def test_platform_keyword(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     fn = lambda q, l, i: sparse_mla_attention(q, l, i, scale=0.1, kv_lora_rank=32, block_n=16, interpret=False)
     assert "tpu_custom_call" in jax.export.export(jax.jit(fn), platforms=["tpu"])(q, latent, indices).mlir_module()
+
+
+def test_row_block_counts_stop_at_each_querys_last_valid_block():
+    """The blocks a program visits: up to its last block with a valid slot, wherever the unused slots are; the
+    "_unused_last" case above checks the values and gradients of programs that stop early."""
+    from pallas_kernels.tpu_sparse_mla import row_block_counts
+
+    indices = np.full((1, 4, 3, 2), -1, np.int32)  # 4 queries, 3 blocks of 2 slots, T = 10
+    indices[0, 0, 0, 0] = 7  # block 0 only -> 1
+    indices[0, 1, 2, 1] = 3  # a valid slot in the last block -> 3
+    indices[0, 2, 1] = [10, 4]  # >= T is unused; 4 in block 1 -> 2
+    # query 3: no valid slot -> 0
+    counts = np.asarray(row_block_counts(jnp.asarray(indices), 10))
+    assert counts.shape == (1, 4, 1, 1) and counts.dtype == np.int32
+    np.testing.assert_array_equal(counts[0, :, 0, 0], [1, 3, 2, 0])

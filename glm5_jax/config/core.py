@@ -42,7 +42,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).
 # Activations saved under every remat policy, by `checkpoint_name`: the indexer's top-k selection is small
 # (int32 [B, S, N]) but costs O(S x T) to recompute, so the backward pass reads it instead of re-running the indexer;
-# with it its scores at those keys (fp32 [B, S, N], the sparse KL's forward value; DSA sparse stage only).
+# with it its scores at those keys (fp32 [B, S, N], the sparse KL's forward value; DSA sparse stage only), except
+# under `full_without_topk_scores`.
 ALWAYS_SAVED = ("dsa_topk", "dsa_topk_scores")
 _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 # The routed experts' grouped-matmul outputs (gate and up projections of the received rows): keeping them lets a
@@ -78,6 +79,9 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _SAVE_ALWAYS),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ALWAYS),
+    # `full` less the top-k's scores: the recompute re-runs the top-k kernel for them (v5p-512: +0.1 TB of HBM
+    # traffic per step), for the pods where memory is short (v6e-256).
+    "full_without_topk_scores": jax.checkpoint_policies.save_only_these_names("dsa_topk"),
     "full_keep_dsa_target": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
     "full_keep_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),

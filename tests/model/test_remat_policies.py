@@ -28,6 +28,8 @@ from glm5_jax.model.transformer import forward, init
 CONFIG = small_pallas_model(compute_dtype="float32", moe_backend="ragged")
 SEQ = 12
 KEEP_POLICIES = ("full_keep_dsa_target", "full_keep_attention")
+# Policies that must give `full`'s values: the keep policies and the one that keeps less.
+SAME_VALUE_POLICIES = (*KEEP_POLICIES, "full_without_topk_scores")
 
 
 def _loss(params, tokens, config):
@@ -56,7 +58,7 @@ def _gradient_kernels(policy: str) -> collections.Counter:
     return _kernel_calls(jaxpr)
 
 
-@pytest.mark.parametrize("policy", KEEP_POLICIES)
+@pytest.mark.parametrize("policy", SAME_VALUE_POLICIES)
 @pytest.mark.slow
 def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
     """The kernels run (interpreted on CPU) under `full` and the policy: loss and every gradient equal."""
@@ -117,6 +119,20 @@ def test_keep_policies_save_what_they_name(capsys):
     assert all(len(shape) == 5 and shape[:3] == (1, 1, SEQ) and shape[3] >= CONFIG.num_attention_heads
                for shape in shapes), kept_kernel
     assert sorted(shape[4] >= CONFIG.kv_lora_rank for shape in shapes) == [False] * 3 + [True] * 3, kept_kernel
+
+
+def test_without_topk_scores_keeps_the_selection_only(capsys):
+    """`full_without_topk_scores` drops the top-k's fp32 scores [.., S, N] from every stack's residuals (and keeps
+    the int32 selection), so the backward's recompute runs the top-k kernel again for them."""
+    full, lean = (collections.Counter(_saved(p, capsys)) for p in ("full", "full_without_topk_scores"))
+    dropped = list((full - lean).elements())
+    assert dropped and not lean - full, (full - lean, lean - full)
+    assert all(line.startswith(f"f32[1,1,{SEQ},{CONFIG.index_topk}] output of scan") for line in dropped), dropped
+    assert any(line.startswith(f"i32[1,1,{SEQ},{CONFIG.index_topk}]") for line in lean), lean
+    full_calls, lean_calls = _gradient_kernels("full"), _gradient_kernels("full_without_topk_scores")
+    more = {name for name in lean_calls if lean_calls[name] > full_calls[name]}
+    assert len(more) == 1 and all(lean_calls[n] == full_calls[n] for n in full_calls if n not in more), (
+        full_calls, lean_calls)
 
 
 def test_the_kept_kernels_are_the_sparse_mla_forward_kernels():

@@ -96,6 +96,13 @@ def causal_row_blocks(first_position: int | None, num_queries: int, num_slots: i
     return int(np.minimum(-(-(positions + 1) // block_n), full).sum())
 
 
+def chunk_row_blocks(cost_q_offset: int | None, q_len: int, num_slots: int, block_n: int, chunk: int) -> int:
+    """Row blocks one call of `mla_layout.chunked_backward`'s loop body declares per batch row: the queries' total
+    (`causal_row_blocks`) spread evenly over the chunks, rounded up (one compiled body serves every chunk)."""
+    calls = -(-q_len // min(chunk, q_len))
+    return -(-causal_row_blocks(cost_q_offset, q_len, num_slots, block_n) // calls)
+
+
 def causal_tiles(span: QuerySpan, call_queries: int, block_s: int, block_t: int, key_blocks: int) -> int:
     """(query block, key block) tiles one call of a causally skipping kernel computes, per batch row.
 

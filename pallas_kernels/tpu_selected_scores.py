@@ -42,7 +42,7 @@ from pallas_kernels._common import (
     resolve_platform,
     round_up,
 )
-from pallas_kernels.dsa_cost import selected_scores_backward_flops
+from pallas_kernels.dsa_cost import chunk_row_blocks, selected_scores_backward_flops
 from pallas_kernels.mla_layout import chunked_backward
 from pallas_kernels.tpu_sparse_mla import (
     HEAD_MULTIPLE,
@@ -50,7 +50,6 @@ from pallas_kernels.tpu_sparse_mla import (
     TpuSizes,
     for_each_row_block,
     gather_call,
-    chunk_row_blocks,
     latent_rows,
     valid_slots,
     wait_row_gradients,

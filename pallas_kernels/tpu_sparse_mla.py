@@ -36,6 +36,7 @@ from pallas_kernels._common import NEG_INF, dot_nn, dot_nt, dot_tn, pad_axis, ro
 from pallas_kernels.dsa_cost import (
     array_bytes,
     causal_row_blocks,
+    chunk_row_blocks,
     gathered_rows_cost,
     sparse_mla_backward_flops,
     sparse_mla_forward_flops,
@@ -368,13 +369,6 @@ def tpu_sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret
 def _tpu_sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
     out, lse = _forward(q, latent, indices, scale, layout, interpret, cost_q_offset=cost_q_offset)
     return (out, lse), (q, latent, indices, out, lse)
-
-
-def chunk_row_blocks(cost_q_offset: int | None, q_len: int, num_slots: int, block_n: int, chunk: int) -> int:
-    """Row blocks one call of `chunked_backward`'s loop body declares per batch row: the queries' total
-    (`causal_row_blocks`) spread evenly over the chunks, rounded up (one compiled body serves every chunk)."""
-    calls = -(-q_len // min(chunk, q_len))
-    return -(-causal_row_blocks(cost_q_offset, q_len, num_slots, block_n) // calls)
 
 
 def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals, cotangents):

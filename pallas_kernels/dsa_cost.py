@@ -75,13 +75,22 @@ def sparse_target_from_scores_flops(heads: int, slots: int) -> int:
     return 2 * heads * slots
 
 
-def gathered_rows_cost(programs: int, row_bytes: int, moved_bytes: int, *, flops: int,
-                       transcendentals: int) -> KernelCost:
-    """A row-gathering kernel with one program per query: per-program `flops` / `transcendentals` times the
-    programs; bytes: the per-query inputs and outputs once (`moved_bytes`, whole arrays) plus each program's
-    gathered rows (`row_bytes`: its N rows, re-read from HBM even when queries share them)."""
-    return KernelCost(flops=programs * flops, transcendentals=programs * transcendentals,
-                      bytes_accessed=moved_bytes + programs * row_bytes)
+def gathered_rows_cost(programs: int, blocks_per_program: int, visited_blocks: int | None, *, block_bytes: int,
+                       moved_bytes: int, per_slot_bytes: int, flops: int, transcendentals: int) -> KernelCost:
+    """A row-gathering kernel with one program per query, each going through its selected rows in
+    `blocks_per_program` blocks and stopping after its last block holding a valid slot: `visited_blocks` blocks
+    over all programs (`causal_row_blocks`; None: every block). Bytes: the per-query inputs and outputs once
+    (`moved_bytes`), each visited block's gathered rows (`block_bytes`, re-read from HBM by every query that
+    selects them) and the per-slot outputs (`per_slot_bytes`, whole arrays) written for the visited blocks;
+    per-program `flops` / `transcendentals` (over all its slots) in proportion to the blocks visited."""
+    every_block = programs * blocks_per_program
+    visited = every_block if visited_blocks is None else visited_blocks
+
+    def share(total: int) -> int:  # work proportional to the slots a program visits
+        return total * visited // every_block
+
+    return KernelCost(flops=share(programs * flops), transcendentals=share(programs * transcendentals),
+                      bytes_accessed=moved_bytes + share(per_slot_bytes) + visited * block_bytes)
 
 
 def causal_row_blocks(first_position: int | None, num_queries: int, num_slots: int, block_n: int) -> int:

@@ -25,6 +25,7 @@ from pallas_kernels._common import (
     MIN_BLOCK,
     NEG_INF,
     check_block,
+    check_cost_offset,
     check_equal,
     check_float_dtype,
     check_q_offset,
@@ -53,7 +54,13 @@ from pallas_kernels.mla_layout import (
     validate_sparse_inputs,
 )
 from pallas_kernels.shared_memory import fit_block_and_stages
-from pallas_kernels.sparse_mla import gathered_rows_in_specs, gathered_rows_kernel_cost, per_query_spec
+from pallas_kernels.sparse_mla import (
+    gathered_rows_in_specs,
+    gathered_rows_kernel_cost,
+    per_query_spec,
+    row_blocks_to_visit,
+    visited_blocks,
+)
 from pallas_kernels.tpu_indexer import tpu_dense_target
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_target
 
@@ -85,15 +92,24 @@ def _sparse_target_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, lse_ref, 
         out_ref[slots] = jnp.sum(p, axis=0)
         return carry
 
-    lax.fori_loop(0, idx_ref.shape[0] // block_n, step, 0)
+    def zero(j, carry):  # blocks past the last valid slot hold no valid slot: 0, without gathering their rows
+        out_ref[pl.ds(j * block_n, block_n)] = jnp.zeros((block_n,), jnp.float32)
+        return carry
+
+    visited = row_blocks_to_visit(idx_ref, block_n, num_keys)
+    lax.fori_loop(0, visited, step, 0)
+    lax.fori_loop(visited, idx_ref.shape[0] // block_n, zero, 0)
 
 
-def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, interpret=None, platform=None):
+def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, interpret=None, platform=None,
+                            cost_q_offset=None):
     """Head-summed attention probabilities at the selected rows, L1-normalised over N; fp32 [B, S, N].
 
     q [B, S, H, C+R], latent [B, T, C+R], indices int [B, S, N] (-1 = unused), lse fp32 [B, S, H] (from
     `sparse_mla_attention`). Invalid slots get 0; a query without valid slots gets an all-zero row.
     platform: "gpu" (Triton), "tpu" (Mosaic DMA row gathers) or None (TPU kernels on a TPU backend).
+    cost_q_offset: as in `sparse_mla_attention` (the declared cost of the Triton kernel, which stops after each
+    query's last block holding a valid slot).
     """
     check_rank("q", q, 4, "[B, S, H, C+R]")
     width = q.shape[-1]
@@ -102,16 +118,17 @@ def sparse_attention_target(q, latent, indices, lse, *, scale, block_n=64, inter
     check_float_dtype("lse", lse)
     check_equal("lse.shape", tuple(lse.shape), tuple(q.shape[:3]), "[B, S, H] of q")
     check_scale(scale)
+    check_cost_offset(cost_q_offset)
     interpret = resolve_interpret(interpret)
     if resolve_platform(platform) == "tpu":
         p = tpu_sparse_target(q, latent, indices, lse, float(scale), layout, _PADDED_HEAD_LSE, interpret)
     else:
-        p = _triton_sparse_target(q, latent, indices, lse, float(scale), layout, interpret)
+        p = _triton_sparse_target(q, latent, indices, lse, float(scale), layout, interpret, cost_q_offset)
     total = jnp.sum(p, axis=-1, keepdims=True)
     return p / jnp.where(total > 0, total, 1.0)
 
 
-def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
+def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret, cost_q_offset):
     q_c, q_r = split_queries(q, layout)
     k_c, k_r = split_latent(latent, layout)
     idx = pad_indices(indices, layout)
@@ -130,7 +147,9 @@ def _triton_sparse_target(q, latent, indices, lse, scale, layout, interpret):
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )
     flops = sparse_target_flops(heads, slots, q_c.shape[-1] + q_r.shape[-1])
-    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [lse_p], [out_shape], flops=flops).declared():
+    cost = gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [lse_p], [out_shape], flops=flops, block_n=block_n,
+                                     visited_blocks=visited_blocks(batch, q_len, layout, block_n, cost_q_offset))
+    with cost.declared():
         p = call(q_c, q_r, idx, k_c, k_r, lse_p)
     return p[:, :, : layout.num_slots]
 

@@ -3,7 +3,9 @@
 Absorbed (MQA) form: q [B, S, H, C+R] against latent rows [C+R] shared by every head; values are the first
 C columns of the same rows. All heads of one query share its N rows, so one kernel program handles one
 query and its heads form the matmul rows: [H, C+R] x [C+R, block_n] per block of selected rows, with an
-online softmax over the blocks (fp32 statistics and accumulators).
+online softmax over the blocks (fp32 statistics and accumulators). A program stops after its query's last block
+holding a valid slot (`row_blocks_to_visit`): near a sequence's start a query has fewer visible keys than N,
+and the indexer's top-k puts the unused slots last.
 
 Backward (custom_vjp) runs over bounded query chunks: the kernel recomputes the probabilities from the
 saved lse, accumulates dq per query, and writes each (query, slot) key/value gradient row [C+R] reduced
@@ -37,6 +39,8 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.dsa_cost import (
     array_bytes,
+    causal_row_blocks,
+    chunk_row_blocks,
     gathered_rows_cost,
     sparse_mla_backward_flops,
     sparse_mla_forward_flops,
@@ -54,6 +58,20 @@ from pallas_kernels.mla_layout import (
     validate_sparse_inputs,
 )
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla
+
+
+def row_blocks_to_visit(idx_ref, block_n: int, num_keys: int) -> jax.Array:
+    """int32: the number of this query's blocks of block_n slots up to its last one holding a valid slot (0:
+    none). The programs gather and compute only those: the indexer's top-k puts unused slots (-1) last, so a
+    query with fewer visible keys than N (near a sequence's start) skips its trailing blocks. Reads the indices
+    alone (4 bytes per slot against a row of C+R per slot), exact for any slot order."""
+
+    def visit(j, last):
+        idx = idx_ref[pl.ds(j * block_n, block_n)]
+        has_valid = jnp.max(((idx >= 0) & (idx < num_keys)).astype(jnp.int32)) > 0
+        return jnp.where(has_valid, j + 1, last)
+
+    return lax.fori_loop(0, idx_ref.shape[0] // block_n, visit, jnp.int32(0))
 
 
 def _forward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, out_ref, lse_ref, *, scale, block_n):
@@ -80,7 +98,7 @@ def _forward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, out_ref, lse_re
 
     init = (jnp.full((heads,), NEG_INF, jnp.float32), jnp.zeros((heads,), jnp.float32),
             jnp.zeros((heads, width), jnp.float32))
-    row_max, row_sum, acc = lax.fori_loop(0, idx_ref.shape[0] // block_n, step, init)
+    row_max, row_sum, acc = lax.fori_loop(0, row_blocks_to_visit(idx_ref, block_n, num_keys), step, init)
     has_valid = row_sum > 0
     safe_sum = jnp.where(has_valid, row_sum, 1.0)
     out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
@@ -102,17 +120,25 @@ def gathered_rows_in_specs(q_c, q_r, idx, k_c) -> list:
             pl.BlockSpec((None, num_keys, width), per_batch), pl.BlockSpec((None, num_keys, rope), per_batch)]
 
 
-def gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, per_query, out_shape, *, flops: int):
-    """Cost of a Triton row-gathering call over grid (B, S): per-program `flops`, one exp per (head, slot),
-    its inputs' and outputs' per-query blocks once, and each program's Np gathered rows of C+R."""
+def gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, per_query, out_shape, *, flops: int, block_n: int,
+                              visited_blocks: int | None, per_slot=()):
+    """Cost of a Triton row-gathering call over grid (B, S): `visited_blocks` blocks of block_n slots over all
+    programs (None: every block; `dsa_cost.causal_row_blocks`), each gathering its rows of C+R, with the
+    per-program `flops` (over all Np slots) and one exp per (head, slot) in proportion; per-query inputs and
+    outputs once, per-slot outputs (`per_slot`, [B, S, Np, *]) written for the visited blocks."""
     heads, slots = q_c.shape[2], idx.shape[-1]
-    row_bytes = slots * (k_c.shape[-1] * k_c.dtype.itemsize + k_r.shape[-1] * k_r.dtype.itemsize)
-    return gathered_rows_cost(idx.shape[0] * idx.shape[1], row_bytes,
-                              array_bytes(q_c, q_r, idx, *per_query, *out_shape),
-                              flops=flops, transcendentals=heads * slots)
+    block_bytes = block_n * (k_c.shape[-1] * k_c.dtype.itemsize + k_r.shape[-1] * k_r.dtype.itemsize)
+    return gathered_rows_cost(idx.shape[0] * idx.shape[1], slots // block_n, visited_blocks,
+                              block_bytes=block_bytes, moved_bytes=array_bytes(q_c, q_r, idx, *per_query, *out_shape),
+                              per_slot_bytes=array_bytes(*per_slot), flops=flops, transcendentals=heads * slots)
 
 
-def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool):
+def visited_blocks(batch: int, q_len: int, layout: MlaLayout, block_n: int, cost_q_offset: int | None) -> int:
+    """Row blocks a (B, S) grid of queries at positions cost_q_offset + s visits (`causal_row_blocks`)."""
+    return batch * causal_row_blocks(cost_q_offset, q_len, layout.num_slots, block_n)
+
+
+def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool, cost_q_offset):
     batch, q_len, heads, width = q_c.shape
     block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
     out_shape = [jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)]
@@ -126,7 +152,9 @@ def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpre
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=stages),
     )
     flops = sparse_mla_forward_flops(heads, idx.shape[-1], width + q_r.shape[-1], width)
-    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [], out_shape, flops=flops).declared():
+    cost = gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [], out_shape, flops=flops, block_n=block_n,
+                                     visited_blocks=visited_blocks(batch, q_len, layout, block_n, cost_q_offset))
+    with cost.declared():
         return call(q_c, q_r, idx, k_c, k_r)
 
 
@@ -169,13 +197,16 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
         return dq_c, dq_r
 
     init = (tuple(jnp.zeros(x.shape, jnp.float32) for x in q_c), jnp.zeros(q_r.shape, jnp.float32))
-    dq_c, dq_r = lax.fori_loop(0, idx_ref.shape[0] // block_n, step, init)
+    # Slots past the last visited block keep whatever their output holds: all invalid, the scatter drops them.
+    dq_c, dq_r = lax.fori_loop(0, row_blocks_to_visit(idx_ref, block_n, num_keys), step, init)
     for cols, acc in zip(parts, dq_c):
         dq_c_ref[:, cols] = (scale * acc).astype(dq_c_ref.dtype)
     dq_r_ref[...] = (scale * dq_r).astype(dq_r_ref.dtype)
 
 
-def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool):
+def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool,
+                   visited_row_blocks):
+    """One query chunk's backward; visited_row_blocks: the blocks its declared cost counts (per call)."""
     batch, q_len, heads, width = q_c.shape
     rope, slots = q_r.shape[-1], idx.shape[-1]
     block_n, column_parts = backward_plan(layout, q_c.dtype.itemsize)
@@ -197,33 +228,37 @@ def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout:
         compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=1),
     )
     flops = sparse_mla_backward_flops(heads, slots, width + rope, width)
-    with gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [d_out, lse, shift], out_shape, flops=flops).declared():
+    cost = gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [d_out, lse, shift], out_shape[:2], flops=flops,
+                                     block_n=block_n, visited_blocks=visited_row_blocks, per_slot=out_shape[2:])
+    with cost.declared():
         return call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
-    return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
+    return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset)[0]
 
 
-def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret):
+def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
     q_c, q_r = split_queries(q, layout)
     k_c, k_r = split_latent(latent, layout)
     out, lse = _forward_call(q_c, q_r, pad_indices(indices, layout), k_c, k_r, scale=scale, layout=layout,
-                             interpret=interpret)
+                             interpret=interpret, cost_q_offset=cost_q_offset)
     out = out[:, :, : layout.heads, : layout.latent_dim]
     lse = lse[:, :, : layout.heads]
     return (out, lse), (q, latent, indices, out, lse)
 
 
-def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, residuals, cotangents):
+def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals, cotangents):
     q, latent, indices, out, lse = residuals
     d_out, d_lse = cotangents
     do_c = split_queries(d_out.astype(q.dtype), layout)[0]
+    block_n = backward_plan(layout, q.dtype.itemsize)[0]
+    visited = q.shape[0] * chunk_row_blocks(cost_q_offset, q.shape[1], layout.num_slots, block_n, bwd_query_chunk)
 
     def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
         dq_c, dq_r, dk_c, dk_r = _backward_call(*q_parts, idx, *latent_parts, do, lse_c, shift_c, scale=scale,
-                                                layout=layout, interpret=interpret)
+                                                layout=layout, interpret=interpret, visited_row_blocks=visited)
         return (dq_c, dq_r), (dk_c, dk_r)
 
     (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
@@ -264,8 +299,8 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     bytes per query (S = T = 65536 on v5p: 1.36, 1.05, 0.87 GB of scatter per 256 queries at 256, 512, 1024).
     Differentiable in q and latent, through out and lse.
     platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_sparse_mla.py`) or None (TPU kernels on a TPU backend).
-    On TPU each query's programs stop after its last block of block_n slots holding a valid one (the indexer's
-    top-k puts unused slots last). cost_q_offset: for the TPU kernels' declared cost only, query s sits at
+    Each query's programs stop after its last block of slots holding a valid one (the indexer's top-k puts
+    unused slots last). cost_q_offset: for the kernels' declared cost only, query s sits at
     position cost_q_offset + s of a causal self-selection, so it fills at most that position + 1 slots
     (`dsa_cost.causal_row_blocks`); None counts every block.
     """
@@ -273,4 +308,4 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
                                              interpret, cost_q_offset)
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
-    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret)
+    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)

@@ -37,8 +37,9 @@ def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank,
         return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret,
                                           cost_q_offset)
     out, lse = sparse_mla_attention(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank, block_n=block_n,
-                                    bwd_query_chunk=bwd_query_chunk, interpret=interpret, platform="gpu")
+                                    bwd_query_chunk=bwd_query_chunk, interpret=interpret, platform="gpu",
+                                    cost_q_offset=cost_q_offset)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(latent), indices,
                                      jax.lax.stop_gradient(lse), scale=scale, block_n=block_n, interpret=interpret,
-                                     platform="gpu")
+                                     platform="gpu", cost_q_offset=cost_q_offset)
     return out, lse, target

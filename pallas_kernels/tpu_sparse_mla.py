@@ -177,18 +177,13 @@ def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendent
     reads), and the per-program `flops` / `transcendentals` and HBM outputs (per-slot rows) in proportion; the
     per-query inputs and outputs once."""
     batch, q_len, num_blocks, block_n = idx.shape
-    every_block = batch * q_len * num_blocks
-    visited = every_block if visited_blocks is None else visited_blocks
-
-    def share(total: int) -> int:  # work proportional to the slots a program visits
-        return total * visited // every_block
-
     block_bytes = block_n * latent.shape[-1] * max(latent.dtype.itemsize, 4)
-    outputs = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype, _ in out_shapes]
-    moved = array_bytes(idx, *per_query) + sum(share(size) if hbm else size
-                                               for size, (_, _, hbm) in zip(outputs, out_shapes))
-    return gathered_rows_cost(1, visited * block_bytes, moved, flops=share(batch * q_len * flops),
-                              transcendentals=share(batch * q_len * transcendentals)).estimate()
+    outputs = [(math.prod(shape) * jnp.dtype(dtype).itemsize, hbm) for shape, dtype, hbm in out_shapes]
+    return gathered_rows_cost(
+        batch * q_len, num_blocks, visited_blocks, block_bytes=block_bytes,
+        moved_bytes=array_bytes(idx, *per_query) + sum(size for size, hbm in outputs if not hbm),
+        per_slot_bytes=sum(size for size, hbm in outputs if hbm), flops=flops,
+        transcendentals=transcendentals).estimate()
 
 
 def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,

@@ -59,8 +59,14 @@ def test_sparse_mla_flops_per_query():
 
 
 def test_costs_add_per_program_work_and_streamed_bytes():
-    gathered = gathered_rows_cost(6, row_bytes=100, moved_bytes=1000, flops=7, transcendentals=3)
-    assert gathered == KernelCost(flops=42, bytes_accessed=1600, transcendentals=18)
+    # 6 programs of 4 blocks (100 bytes of rows each); per-slot outputs of 480 bytes written for visited blocks.
+    gathered = gathered_rows_cost(6, 4, None, block_bytes=100, moved_bytes=1000, per_slot_bytes=480, flops=8,
+                                  transcendentals=4)
+    assert gathered == KernelCost(flops=48, bytes_accessed=1000 + 480 + 24 * 100, transcendentals=24)
+    # Stopping after 10 of the 24 blocks: work, rows and per-slot outputs in proportion, per-query bytes whole.
+    stopped = gathered_rows_cost(6, 4, 10, block_bytes=100, moved_bytes=1000, per_slot_bytes=480, flops=8,
+                                 transcendentals=4)
+    assert stopped == KernelCost(flops=20, bytes_accessed=1000 + 200 + 10 * 100, transcendentals=10)
     # 2 batch rows x 5 tiles of [8, J 16] x [16, 4 keys]; each tile reads 4 keys of 16 bf16 and 4 segment ids.
     scores = indexer_scores_cost(2, 5, 8, 4, 16, 2, query_bytes=300, out_bytes=400)
     assert scores == KernelCost(flops=2 * 5 * 2 * 8 * 4 * 16, bytes_accessed=300 + 10 * 4 * (32 + 4) + 400,

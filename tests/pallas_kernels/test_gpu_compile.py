@@ -132,9 +132,12 @@ def expected_kernel_flops(shape: Shapes, dtype, name: str) -> int:
     heads, c_dim, r_dim = _pow2(shape.heads, 16), _pow2(shape.latent_dim, 16), _pow2(shape.rope_dim, 16)
     slots = _round_up(shape.slots, shape.block_n)
     # Sparse MLA, per query: scores H x N x (C+R) and values H x N x C; backward: scores, do.v (C), dq (C+R),
-    # key row gradients (C+R) and value row gradients (C), over the query chunks' padded length.
+    # key row gradients (C+R) and value row gradients (C). The backward runs in query chunks, one compiled call
+    # for all: the padding queries of the last chunk select nothing, so each call declares the real queries'
+    # row blocks spread evenly over the calls, rounded up.
     forward = b * s * 2 * heads * slots * (2 * c_dim + r_dim)
-    backward = b * _round_up(s, min(shape.bwd_query_chunk, s)) * 2 * heads * slots * (5 * c_dim + 3 * r_dim)
+    blocks, calls = slots // shape.block_n, -(-s // min(shape.bwd_query_chunk, s))
+    backward = b * calls * -(-s * blocks // calls) * shape.block_n * 2 * heads * (5 * c_dim + 3 * r_dim)
     # Indexer: block_s queries x I heads per program, J wide, against each visited block of keys.
     index_heads, index_dim = _pow2(shape.index_heads), _pow2(shape.index_dim, 16)
     block_s = max(1, 128 // index_heads)

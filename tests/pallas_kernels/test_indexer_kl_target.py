@@ -63,6 +63,30 @@ def test_sparse_target_matches_reference_and_dense_when_all_keys_selected():
     np.testing.assert_allclose(scattered[keep], np.asarray(dense)[keep], rtol=1e-5, atol=1e-6)
 
 
+def test_sparse_target_of_programs_that_stop_early_matches_reference():
+    """Valid slots first and -1 last, as the indexer's top-k returns them (the Triton programs stop after each
+    query's last block with a valid slot and write 0 to the blocks after it): still the reference's target."""
+    batch, q_len, num_keys, heads, width, num_slots = 2, 6, 30, 4, 48, 40
+    q, latent = _inputs(1, batch, q_len, num_keys, heads, width)
+    rng = np.random.default_rng(1)
+    indices = np.full((batch, q_len, num_slots), -1, np.int32)
+    for b in range(batch):
+        for s in range(q_len):
+            count = int(rng.integers(0, 21))  # 0 to 20 valid slots: no, one or two blocks of 16 visited
+            indices[b, s, :count] = rng.choice(num_keys, size=count, replace=False)
+    indices = jnp.asarray(indices)
+
+    @jax.jit
+    def run(q, latent):
+        _, lse = sparse_mla_attention_reference(q, latent, indices, scale=SCALE, kv_lora_rank=32)
+        return lse, sparse_attention_target(q, latent, indices, lse, scale=SCALE, block_n=16, platform="gpu")
+
+    lse, sparse = run(q, latent)
+    np.testing.assert_allclose(sparse, sparse_attention_target_reference(q, latent, indices, lse, scale=SCALE),
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(sparse)[np.asarray(indices) < 0] == 0)
+
+
 def test_dense_target_with_segments_and_offset_matches_reference():
     """Packed segments, a decode-style q_offset, T not a multiple of block_t, a single head (15 padded kernel
     heads that must add nothing) and a query whose segment has no visible key (all-zero row)."""

@@ -25,15 +25,18 @@ def causal_indices(rng, batch, q_len, num_keys, num_slots, q_offset):
 
 # (batch, q_len, keys, heads, C, R, N, block_n, dtype, q_offset): S = 1, N below / not a multiple of /
 # a multiple of block_n, head counts 1, 4, 16, T > N, non-power-of-two C and R (GLM-5 tiny configs).
+# "_unused_last": each query's valid slots first and its unused ones (-1) last, as the indexer's top-k returns
+# them: up to 19 valid of 40 slots in blocks of 16, so every program stops after one or two of its three blocks.
 CASES = {
     "h1_s1_bf16": (1, 1, 20, 1, 32, 16, 5, 16, jnp.bfloat16, 12),
     "h4_causal": (2, 9, 40, 4, 24, 8, 20, 16, jnp.float32, 0),
     "h16": (1, 6, 48, 16, 32, 16, 32, 16, jnp.float32, 30),
+    "h4_causal_unused_last": (2, 9, 60, 4, 24, 8, 40, 16, jnp.float32, 10),
 }
 TOLERANCE = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
 
-def _run(case):
+def _run(case, unused_last=False):
     batch, q_len, num_keys, heads, c_dim, r_dim, num_slots, block_n, dtype, q_offset = case
     rng = np.random.default_rng(sum(case[:8]))
     keys = jax.random.split(jax.random.key(case[0] + 10 * case[3]), 4)
@@ -43,6 +46,8 @@ def _run(case):
     if q_len > 1:  # a query without valid slots; an index >= T counts as invalid like -1
         indices[0, 1] = -1
         indices[0, 1, -1] = num_keys + 5
+    if unused_last:
+        indices = -np.sort(-indices, axis=-1)  # keys >= 0 first, -1 last (query (0, 1)'s index >= T leads)
     indices = jnp.asarray(indices)
     d_out = jax.random.normal(keys[2], (batch, q_len, heads, c_dim), jnp.float32).astype(dtype)
     d_lse = jax.random.normal(keys[3], (batch, q_len, heads), jnp.float32)
@@ -64,7 +69,7 @@ def _run(case):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def run(request):
-    return _run(CASES[request.param])
+    return _run(CASES[request.param], unused_last=request.param.endswith("_unused_last"))
 
 
 def test_output_and_lse_match_reference(run):

@@ -142,9 +142,10 @@ def test_the_rl_section_is_parsed_when_the_file_is_loaded(tmp_path):
 
 
 def test_every_glm5_pod_recipe_loads_and_its_mesh_fills_its_pod():
-    """configs/glm5_744b_<pod>[_<length>].yaml: valid, and the mesh uses exactly the pod's chips."""
+    """configs/glm5_744b_<pod>[_<length>].yaml: valid, the mesh uses exactly the pod's chips, and Pallas kernels
+    are built for the pod's kind of chip (a GPU recipe based on a TPU one must not inherit the Mosaic kernels)."""
     from glm5_jax.config.experiment import load_experiment
-    from glm5_jax.parallel.topology import get_topology
+    from glm5_jax.parallel.topology import CHIPS, get_topology
 
     recipes = sorted(Path("configs").glob("glm5_744b_*.yaml"))
     assert {"glm5_744b_v5p-512_128k.yaml", "glm5_744b_v5p-512_200k.yaml", "glm5_744b_v6e-256.yaml"} <= {
@@ -154,5 +155,8 @@ def test_every_glm5_pod_recipe_loads_and_its_mesh_fills_its_pod():
         pod = path.stem.split("_")[2]
         mesh = cfg.mesh.resolve(get_topology(pod).num_chips)
         assert mesh.num_devices == get_topology(pod).num_chips, (path.name, mesh)
+        chip_platform = {"tpu": "tpu", "cuda": "gpu"}[CHIPS[pod.split("-")[0]].platform]
+        if cfg.model.attention_backend == "pallas":
+            assert cfg.model.pallas_platform in ("auto", chip_platform), (path.name, cfg.model.pallas_platform)
         if path.stem.endswith(("_128k", "_200k")):
             assert mesh.context > 1 and cfg.train.seq_len >= 131072 and cfg.train.mode == "sft", path.name

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import jax
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ConfigError, ModelConfig
 
 KERNEL_ATTENTION_BACKEND = "pallas"
 
@@ -21,3 +24,17 @@ def compiled_platform(platform: str | None = None) -> str:
         return platform
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return device.platform if device is not None else jax.default_backend()
+
+
+def kernels_for_devices(config: ModelConfig, devices: Sequence[jax.Device]) -> ModelConfig:
+    """`config` with its DSA kernels built for `devices`: with the Pallas backend, `pallas_platform: auto` becomes
+    the devices' platform ("tpu" or "gpu"; a TPU pod or GPU cluster described on a CPU host would otherwise get
+    the host's choice, Triton), and a platform naming the other kind of accelerator is refused by name before
+    anything is traced. CPU devices keep the configured value (the kernels' interpret modes)."""
+    chip_platform = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(devices[0].platform)
+    if not uses_kernels(config) or chip_platform is None or config.pallas_platform == chip_platform:
+        return config
+    if config.pallas_platform == "auto":
+        return dataclasses.replace(config, pallas_platform=chip_platform)
+    raise ConfigError(f"model.pallas_platform={config.pallas_platform!r} builds the DSA kernels for other chips "
+                      f"than these {devices[0].device_kind} devices; use {chip_platform!r} (or 'auto')")

@@ -23,6 +23,7 @@ from glm5_jax.config.optim import OptimConfig
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.distributed.runtime import DistributedError, global_batch, process_row_block
+from glm5_jax.ops.platform import kernels_for_devices
 from glm5_jax.parallel.sharding import (abstract_params, init_opt_state_sharded, init_sharded, opt_state_shardings,
                                         param_shardings)
 from glm5_jax.train.objective import make_objective
@@ -112,6 +113,8 @@ def _with_shardings(tree, shardings):
 def build_trainer(experiment: ExperimentConfig, devices: Sequence[jax.Device] | None = None) -> Trainer:
     """The trainer of `experiment` over `devices` (default: every device of the job)."""
     layout = MeshLayout(experiment, devices)
+    experiment = dataclasses.replace(experiment, model=kernels_for_devices(experiment.model,
+                                                                           layout.mesh.devices.flat))
     optim_config = experiment.optim
     if experiment.train.mode == "rl":
         optim_config = rl_optim_config(optim_config, experiment.rl)  # the DSA indexer is frozen in RL by default

@@ -194,3 +194,12 @@ def test_rl_mode_is_refused_before_compiling():
     cfg = load_experiment(str(REPO / "configs" / "tiny.yaml"), ["train.mode=rl", "rl.loss=tis"])
     with pytest.raises(ValueError, match="train.mode='rl'"):
         abstract_train_step(cfg, jax.devices())
+
+
+@pytest.mark.tpu_aot
+def test_kernels_for_other_chips_are_refused_before_compiling(capsys, monkeypatch):
+    compiles = record_compiles(monkeypatch)
+    args = ["compile", str(REPO / "configs" / "tiny.yaml"), "--topology", "v5p-8", *PALLAS_DSA,
+            "model.pallas_platform=gpu"]
+    assert main(args) == 2 and compiles == []
+    assert "model.pallas_platform='gpu'" in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""The DSA kernels are built for the devices a trainer runs or compiles on: `pallas_platform: auto` takes the
+devices' platform (a TPU pod described on this CPU host gets Mosaic kernels, not the host's Triton default), a
+platform naming the other kind of accelerator is refused by name, and CPU devices keep what was configured."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from glm5_jax.config import ConfigError
+from glm5_jax.ops.platform import kernels_for_devices
+from pallas_model import small_pallas_model
+
+
+def _devices(platform: str, kind: str):
+    return [SimpleNamespace(platform=platform, device_kind=kind)]
+
+
+@pytest.mark.parametrize("platform, kind, built", [("tpu", "TPU v5p", "tpu"), ("gpu", "NVIDIA H200", "gpu"),
+                                                   ("cuda", "NVIDIA H200", "gpu")])
+def test_auto_becomes_the_devices_platform(platform, kind, built):
+    config = kernels_for_devices(small_pallas_model("auto"), _devices(platform, kind))
+    assert config.pallas_platform == built and config.pallas_options == dict(platform=built, interpret=False)
+    assert kernels_for_devices(small_pallas_model(built), _devices(platform, kind)).pallas_platform == built
+
+
+def test_kernels_for_the_other_accelerator_are_refused_by_name():
+    with pytest.raises(ConfigError, match=r"model.pallas_platform='tpu'.*NVIDIA H200.*'gpu'"):
+        kernels_for_devices(small_pallas_model("tpu"), _devices("gpu", "NVIDIA H200"))
+    with pytest.raises(ConfigError, match=r"model.pallas_platform='gpu'.*TPU v5p.*'tpu'"):
+        kernels_for_devices(small_pallas_model("gpu"), _devices("tpu", "TPU v5p"))
+
+
+def test_cpu_devices_and_other_backends_keep_the_config():
+    for platform in ("auto", "tpu", "gpu"):  # on CPU: the kernels' interpret modes, as configured
+        config = small_pallas_model(platform)
+        assert kernels_for_devices(config, jax.devices("cpu")) is config
+    sparse = dataclasses.replace(small_pallas_model("tpu"), attention_backend="sparse")
+    assert kernels_for_devices(sparse, _devices("gpu", "NVIDIA H200")) is sparse

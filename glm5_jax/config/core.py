@@ -133,8 +133,9 @@ class ModelConfig:
     # JAX-side choices.
     # "auto" picks "dense" or "sparse" per call from the shapes (model/attention.py: choose_backend).
     attention_backend: str = "auto"
-    # Kernels of the "pallas" backend: "auto" = TPU (Mosaic) on a TPU backend, else GPU (Triton), interpreted
-    # on CPU; "gpu" / "tpu" = that platform's compiled kernels, e.g. to AOT-compile for TPU on a CPU host.
+    # Kernels of the "pallas" backend: "auto" = those of the trainer's devices (Mosaic on TPUs, Triton on GPUs,
+    # also when `glm5 compile` describes them on a CPU host; interpreted on CPU devices); "gpu" / "tpu" = that
+    # platform's compiled kernels (the trainer refuses the other accelerator's by name).
     pallas_platform: str = "auto"
     moe_backend: str = "ragged"
     # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each

@@ -50,15 +50,14 @@ def test_sparse_stage_declares_the_blocks_a_causal_selection_fills():
     costs = _declared_costs(jax.jit(grad).trace(*on_chip(args, "v5p")).lower().as_text())
     # Per sparse layer: the top-k (no row blocks), the forward with the target, its backward, the KL's backward.
     assert len(costs) >= 4, json.dumps(costs)
-    visited = VISITED
-    assert visited == 64 + (SEQ - 64) * 2  # of SEQ x 2
+    assert VISITED == 64 + (SEQ - 64) * 2  # of SEQ x 2
     heads = 16  # 2 heads padded to 16 on TPU; row width 16 + 4 -> 128 lanes, values 128
-    forward_flops = visited * 2 * heads * BLOCK_N * (128 + 128)  # scores and values
-    target_flops = visited * 2 * heads * BLOCK_N
+    forward_flops = VISITED * 2 * heads * BLOCK_N * (128 + 128)  # scores and values
+    target_flops = VISITED * 2 * heads * BLOCK_N
     assert any(c["flops"] == forward_flops + target_flops for c in costs), json.dumps(costs)
-    backward_flops = visited * 2 * heads * BLOCK_N * (3 * 128 + 2 * 128)
+    backward_flops = VISITED * 2 * heads * BLOCK_N * (3 * 128 + 2 * 128)
     assert any(c["flops"] == backward_flops for c in costs), json.dumps(costs)
-    kl_backward_flops = visited * 3 * 2 * heads * BLOCK_N * 128  # indexer: 2 heads -> 16, J 8 -> 128 lanes
+    kl_backward_flops = VISITED * 3 * 2 * heads * BLOCK_N * 128  # indexer: 2 heads -> 16, J 8 -> 128 lanes
     assert any(c["flops"] == kl_backward_flops for c in costs), json.dumps(costs)
 
 

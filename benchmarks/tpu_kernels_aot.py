@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from glm5_jax.parallel.hlo_stats import hlo_stats  # noqa: E402
 from glm5_jax.parallel.topology import CHIPS, get_topology  # noqa: E402
 from pallas_kernels import (  # noqa: E402
+    causal_flash_attention,
     dense_attention_target,
     indexer_scores,
     indexer_topk,
@@ -164,6 +165,21 @@ def _dsa_sparse_stage(attend):
     return stage
 
 
+def _every_key_sparse_stage(q_heads, k_heads, v_heads, q, latent, q_index, k_index, weights):
+    """DSA's sparse stage where the top-k keeps every key (S = T <= N), as the model runs it on TPU: the top-k (its
+    scores feed the KL), flash attention over the expanded heads forward and backward, and the dense KL target
+    (a constant), instead of the sparse MLA kernels gathering every visible row per query."""
+    selection = indexer_topk(q_index, k_index, weights, topk=N, block_t=128, **TPU)
+    segments = jnp.ones(q_heads.shape[:2], I32)
+    target = dense_attention_target(q, latent, scale=SCALE, block_t=128, **TPU)
+
+    def loss(q_heads, k_heads, v_heads):
+        out = causal_flash_attention(q_heads, k_heads, v_heads, segments, scale=QK_DENSE**-0.5, **TPU)
+        return jnp.sum(out.astype(F32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q_heads, k_heads, v_heads), target, selection
+
+
 def _flash_training(q, k, v):
     from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
 
@@ -216,14 +232,19 @@ def long_cases(q_len: int, k_len: int) -> dict:
     dsa = (2 * q_len * N * H * ((C + R + C) + 3 * (C + R) + 2 * C)  # sparse MLA forward + backward
            + 2 * causal_pairs * I * J)  # indexer scores
     dense_fwd = 2 * causal_pairs * H * (QK_DENSE + V_DENSE)
+    heads = sds((1, q_len, H, QK_DENSE), BF16)  # GLM-5's expanded q and k (192 + 64), v (256): all 256 wide
     dsa_args = (sds((1, q_len, H, C + R), BF16), sds((1, k_len, C + R), BF16), sds((1, q_len, I, J), BF16),
                 sds((1, k_len, J), BF16), sds((1, q_len, I), F32))
+    every_key_args = (heads, heads, sds((1, q_len, H, V_DENSE), BF16), *dsa_args)
     return {
         "DSA: indexer top-k + sparse MLA fwd+bwd": (_dsa_training, dsa_args, dsa),
         "DSA sparse stage, two kernels: top-k + sparse MLA fwd+bwd + KL target": (
             _dsa_sparse_stage(_attention_then_target), dsa_args, dsa + 2 * q_len * N * H * (C + R)),
         "DSA sparse stage, target fused: top-k + sparse MLA with target fwd+bwd": (
             _dsa_sparse_stage(_attention_with_target), dsa_args, dsa),
+        **({} if k_len > N else {"DSA sparse stage, every key selected (S = T <= N): top-k + flash fwd+bwd + dense "
+                                  "KL target": (_every_key_sparse_stage, every_key_args,
+                                                3.5 * dense_fwd + 2 * causal_pairs * (I * J + 2 * H * (C + R)))}),
         "dense: flash attention fwd+bwd (causal)": (
             _flash_training, (sds((1, H, q_len, QK_DENSE), BF16), sds((1, H, k_len, QK_DENSE), BF16),
                               sds((1, H, k_len, V_DENSE), BF16)), 3.5 * dense_fwd),

@@ -5,10 +5,13 @@ signature in `pallas_kernels.reference`; the attention's and the indexer's are t
 without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`; `masks` says which
 keys a query sees). And the backward of the index scores at a selection (the sparse KL's gradient: Mosaic only,
 `tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory bounds and tie-breaking.
-And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward.
+And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward; and
+causal attention over every visible key on TPU for layers whose top-k keeps every key (`causal_flash_attention`:
+jax's flash kernels with their costs declared).
 """
 
 from pallas_kernels._common import NEG_INF
+from pallas_kernels.flash_attention import causal_flash_attention
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.indexer_kl_target import dense_attention_target, sparse_attention_target
 from pallas_kernels.indexer_topk import indexer_scores, indexer_topk
@@ -18,6 +21,7 @@ from pallas_kernels.tpu_selected_scores import selected_scores_backward
 
 __all__ = [
     "NEG_INF",
+    "causal_flash_attention",
     "dense_attention_target",
     "grouped_matmul",
     "indexer_scores",

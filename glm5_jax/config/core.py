@@ -50,11 +50,14 @@ _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 # rematerialised MoE layer's backward skip every routed-expert matmul of the recompute (their weight and input
 # gradients need only these and the re-dispatched rows), at 2 x rows x F values per layer.
 EXPERT_MATMUL_NAMES = ("expert_gate", "expert_up")
-# Outputs of the sparse MLA forward kernel (latent attention output and log-sum-exp): they are also its custom
-# VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new value; the
-# backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its function and
-# module. Keeping them spares the backward pass a re-run of the forward kernel (its 2048-row gather per query).
-SPARSE_MLA_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_kernel", "tpu_sparse_mla.py"))
+# Outputs of the attention's forward kernel (the sparse MLA kernel's latent output and log-sum-exp): they are
+# also its custom VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new
+# value; the backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its
+# function and module. Keeping them spares the backward pass a re-run of the forward kernel (its 2048-row gather
+# per query). Where the top-k keeps every key, the TPU kernels attend by jax's flash attention instead
+# (`glm5_jax.ops.causal_attention`): its forward kernel's outputs (o, l, m) are kept alike.
+ATTENTION_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_kernel", "tpu_sparse_mla.py"),
+                             ("_flash_attention_kernel", "flash_attention.py"))
 # The DSA sparse stage's KL target (head-mean attention probabilities at the selected keys, fp32 [B, S, N]): a
 # constant of the indexer's KL gradient, so without it the backward re-runs the target kernel's row gather (GPU).
 # On TPU the sparse MLA forward kernel writes the target itself and the backward re-runs that kernel anyway (for
@@ -85,7 +88,7 @@ REMAT_POLICIES = {
     "full_keep_dsa_target": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
     "full_keep_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
-        save_kernel_outputs(SPARSE_MLA_FORWARD_KERNELS)),
+        save_kernel_outputs(ATTENTION_FORWARD_KERNELS)),
 }
 
 
@@ -137,6 +140,11 @@ class ModelConfig:
     # also when `glm5 compile` describes them on a CPU host; interpreted on CPU devices); "gpu" / "tpu" = that
     # platform's compiled kernels (the trainer refuses the other accelerator's by name).
     pallas_platform: str = "auto"
+    # With the TPU kernels, where DSA's selection is the causal mask itself (T <= index_topk; the dense warm-up):
+    # attend by flash attention in the expanded form (`glm5_jax.ops.causal_attention`) instead of the sparse MLA
+    # kernel over every visible row. One layer's sparse stage at 2048 tokens: 3-4x less roofline time; the
+    # v6e-256 recipe turns it off (its whole step: 4% less HBM traffic but 3.5 GiB more temporaries, over 32 GB).
+    flash_every_key: bool = True
     moe_backend: str = "ragged"
     # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each
     # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.
@@ -253,8 +261,9 @@ class ModelConfig:
                 _fail("indexer_types", bad[0], f"entries must be one of {INDEXER_TYPES}")
             if types[0] != "full":
                 _fail("indexer_types[0]", types[0], "the first layer has no earlier top-k to share: use 'full'")
-        if not isinstance(self.scan_layers, bool):
-            _fail("scan_layers", self.scan_layers, "must be true or false")
+        for name in ("scan_layers", "flash_every_key"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be true or false")
         if not self.moe_capacity_factor >= 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),

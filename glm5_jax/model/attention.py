@@ -7,6 +7,8 @@ Two mathematically equal forms:
   heads attend over the shared 576-wide latent rows [c ; k_rope] of the selected keys only, and W_UV maps the
   512-wide latent output back to each head's value space. Memory and compute grow with the top-k N, not T.
   The attention over the rows is the ops layer's (`glm5_jax.ops.sparse_attention`: jnp or the kernels).
+Where the selection is the causal mask itself (T <= index_topk: a top-k keeps every visible key; the dense
+warm-up), the TPU kernels attend in the expanded form by flash attention (`glm5_jax.ops.causal_attention`).
 Backend `auto` picks `dense` or `sparse` per call from the static shapes (`choose_backend`).
 """
 
@@ -22,6 +24,8 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.kv_cache import LayerCache, write_rows
 from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
+from glm5_jax.ops.causal_attention import (causal_attention, causal_attention_with_target, flash_attends,
+                                           selects_every_key)
 from glm5_jax.ops.platform import uses_kernels
 from glm5_jax.ops.sparse_attention import (cache_attention, dense_attention_with_target, sparse_attention,
                                           sparse_attention_with_target)
@@ -126,7 +130,10 @@ class MLA(nnx.Module):
         config = self.config
         batch, num_queries = proj.q_nope.shape[:2]
         num_keys = proj.rows.shape[1]
-        if choose_backend(config, batch, num_queries, num_keys) == "dense":
+        if self._selection_is_causal_mask(num_queries, num_keys, mesh) and isinstance(q_offset, int) \
+                and q_offset == 0 and q_segment_ids is k_segment_ids:
+            heads = causal_attention(*self.expanded_inputs(proj), q_segment_ids, config=config, mesh=mesh)
+        elif choose_backend(config, batch, num_queries, num_keys) == "dense":
             queries, keys, values = self.expanded_inputs(proj)
 
             def selected_attention(chip_offset, queries, q_segment_ids, indices, keys, values, k_segment_ids):
@@ -141,6 +148,11 @@ class MLA(nnx.Module):
                                           q_offset=q_offset if isinstance(q_offset, int) else None)
             heads = self.latent_to_heads(latent_out)
         return self.output_projection(heads)
+
+    def _selection_is_causal_mask(self, num_queries: int, num_keys: int, mesh) -> bool:
+        """Whether the TPU kernels attend by flash attention over every visible key: the queries' own keys, all
+        of them selected (T <= index_topk)."""
+        return flash_attends(self.config, num_queries, num_keys, mesh) and selects_every_key(self.config, num_keys)
 
     def attend_cached(self, proj: Projection, indices: jax.Array, cache: LayerCache,
                       mesh=None) -> tuple[jax.Array, jax.Array]:
@@ -165,13 +177,23 @@ class MLA(nnx.Module):
             queries, keys, values = self.expanded_inputs(proj)
             heads, target = context_local(with_target, mesh, (queries, visible), (keys, values))
             return self.output_projection(heads), target
+        if flash_attends(self.config, visible.shape[1], visible.shape[2], mesh):
+            heads, target = causal_attention_with_target(*self.expanded_inputs(proj), self.absorbed_queries(proj),
+                                                         proj.rows, segment_ids, config=self.config, mesh=mesh)
+            return self.output_projection(heads), target
         latent, target = dense_attention_with_target(self.absorbed_queries(proj), proj.rows, visible, segment_ids,
                                                      config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target
 
-    def attend_sparse_with_target(self, proj: Projection, indices: jax.Array,
+    def attend_sparse_with_target(self, proj: Projection, indices: jax.Array, segment_ids: jax.Array,
                                   mesh=None) -> tuple[jax.Array, jax.Array]:
-        """Attention over the selected keys [B, S, D] and the head-mean probability target there [B, S, N]."""
+        """Attention over the selected keys [B, S, D] and the head-mean probability target there [B, S, N]
+        (0 on unused slots). `indices` select among the queries' own tokens, `segment_ids` [B, S]."""
+        if self._selection_is_causal_mask(indices.shape[1], proj.rows.shape[1], mesh):
+            heads, every_key = causal_attention_with_target(*self.expanded_inputs(proj), self.absorbed_queries(proj),
+                                                            proj.rows, segment_ids, config=self.config, mesh=mesh)
+            target = jnp.take_along_axis(every_key, jnp.maximum(indices, 0), axis=-1)
+            return self.output_projection(heads), jnp.where(indices >= 0, target, 0.0)
         latent, target = sparse_attention_with_target(self.absorbed_queries(proj), proj.rows, indices,
                                                       config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target

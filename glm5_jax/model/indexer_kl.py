@@ -112,7 +112,7 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
         kl = _kl(p, scores, visible)
         captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
     elif mode == "sparse":
-        out, p = attn.attend_sparse_with_target(proj, topk, mesh)
+        out, p = attn.attend_sparse_with_target(proj, topk, segment_ids, mesh)
         p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
         if scores is None:
             scores = scores_at(indexer, h, proj, topk, ctx, mesh)

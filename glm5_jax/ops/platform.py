@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 
 from glm5_jax.config import ConfigError, ModelConfig
+from pallas_kernels._common import resolve_platform
 
 KERNEL_ATTENTION_BACKEND = "pallas"
 
@@ -15,6 +16,12 @@ KERNEL_ATTENTION_BACKEND = "pallas"
 def uses_kernels(config: ModelConfig) -> bool:
     """Whether DSA's operations (sparse attention, indexer scores and top-k, KL targets) run the Pallas kernels."""
     return config.attention_backend == KERNEL_ATTENTION_BACKEND
+
+
+def uses_tpu_kernels(config: ModelConfig) -> bool:
+    """Whether the kernels are the Mosaic (TPU) ones: on a TPU, with `pallas_platform: tpu`, or in the TPU
+    interpret mode the tests ask for. Operations with only a Mosaic kernel keep their jnp path otherwise."""
+    return uses_kernels(config) and resolve_platform(config.pallas_options.get("platform")) == "tpu"
 
 
 def compiled_platform(platform: str | None = None) -> str:

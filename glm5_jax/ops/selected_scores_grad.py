@@ -14,15 +14,14 @@ from __future__ import annotations
 import jax
 
 from glm5_jax.config import ModelConfig
-from glm5_jax.ops.platform import uses_kernels
+from glm5_jax.ops.platform import uses_tpu_kernels
 from pallas_kernels import selected_scores_backward as selected_scores_backward_kernel
-from pallas_kernels._common import resolve_platform
 from pallas_kernels.selected_scores import gathered_scores_backward
 
 
 def uses_selected_scores_kernel(config: ModelConfig) -> bool:
     """Whether the backward runs the Mosaic kernel (a Mosaic kernel must then see only its device's rows)."""
-    return uses_kernels(config) and resolve_platform(config.pallas_options.get("platform")) == "tpu"
+    return uses_tpu_kernels(config)
 
 
 def selected_scores_backward(q: jax.Array, weights: jax.Array, keys: jax.Array, topk: jax.Array,

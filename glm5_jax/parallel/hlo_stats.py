@@ -280,16 +280,18 @@ def _custom_call_target(inst: _Instruction) -> str:
 
 
 def _kernel_cost(inst: _Instruction) -> tuple[float, float] | None:
-    """(flops, bytes accessed) a Pallas kernel declared, or None when it declared none."""
-    mosaic = re.search(r'"cost_estimate":\{([^{}]*)\}', inst.rest)
-    if mosaic:
-        values = dict(re.findall(r'"(\w+)":"?(\d+)', mosaic.group(1)))
-        return float(values.get("flops", 0)), float(values.get("bytes_accessed", 0))
+    """(flops, bytes accessed) a Pallas kernel declared, or None when it declared none. The cost its caller
+    declared (frontend attributes: a Triton kernel's, or a wrapper's around a kernel it does not own, such as
+    jax's flash attention) comes before the Mosaic kernel's own `pl.CostEstimate`."""
     flops_key, bytes_key, _ = KERNEL_COST_ATTRIBUTES
     flops = re.search(flops_key + r'="?(\d+)', inst.rest)
     accessed = re.search(bytes_key + r'="?(\d+)', inst.rest)
     if flops or accessed:
         return float(flops.group(1)) if flops else 0.0, float(accessed.group(1)) if accessed else 0.0
+    mosaic = re.search(r'"cost_estimate":\{([^{}]*)\}', inst.rest)
+    if mosaic:
+        values = dict(re.findall(r'"(\w+)":"?(\d+)', mosaic.group(1)))
+        return float(values.get("flops", 0)), float(values.get("bytes_accessed", 0))
     return None
 
 

@@ -47,3 +47,38 @@ def test_pallas_platform_is_validated():
         dataclasses.replace(pallas, pallas_platform="cuda").validate()
     assert pallas.pallas_options == dict(platform="tpu", interpret=False)
     assert dataclasses.replace(pallas, pallas_platform="auto").pallas_options == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("indexer_mode", [None, "dense_warmup", "sparse"])
+def test_tpu_kernels_attend_by_flash_where_the_top_k_keeps_every_key(indexer_mode, monkeypatch):
+    """T <= index_topk: the Mosaic path runs jax's flash attention over every visible key (expanded form) and,
+    in the DSA stages, the dense target kernel (gathered at the selection in the sparse stage) instead of the
+    sparse MLA kernel; loss and gradients equal the jnp sparse backend's (TPU interpret mode)."""
+    from glm5_jax.config import ModelConfig
+    from glm5_jax.ops import causal_attention
+
+    config = dataclasses.replace(CONFIG, index_topk=16)
+    params = init(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab_size)
+    segment_ids = jnp.array([[1] * 6 + [2] * 4])
+    flash_calls = []
+    flash = causal_attention.causal_flash_attention
+    monkeypatch.setattr(causal_attention, "causal_flash_attention",
+                        lambda *a, **k: flash_calls.append(1) or flash(*a, **k))
+
+    def loss(p, backend):
+        out = forward(p, tokens, config=dataclasses.replace(config, attention_backend=backend),
+                      segment_ids=segment_ids, indexer_mode=indexer_mode)
+        value = jnp.mean(out.logits ** 2) + jnp.mean(out.mtp_logits ** 2)
+        return value + out.aux["indexer_kl_sum"].sum() if indexer_mode is not None else value
+
+    grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    ref_value, ref_grads = grad_fn(params, "sparse")
+    assert not flash_calls
+    monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: dict(platform="tpu", interpret=True)))
+    value, grads = grad_fn(params, "pallas")
+    assert flash_calls  # every layer and the MTP step attended through it
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-6)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))

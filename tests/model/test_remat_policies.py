@@ -22,7 +22,8 @@ from jax._src.interpreters import partial_eval as pe
 from jax.ad_checkpoint import print_saved_residuals
 from pallas_model import small_pallas_model
 
-from glm5_jax.config.core import SPARSE_MLA_FORWARD_KERNELS
+from glm5_jax.config import ConfigError
+from glm5_jax.config.core import ATTENTION_FORWARD_KERNELS
 from glm5_jax.model.transformer import forward, init
 
 CONFIG = small_pallas_model(compute_dtype="float32", moe_backend="ragged")
@@ -48,9 +49,9 @@ def _kernel_calls(jaxpr, counter=None):
     return counter
 
 
-def _gradient_kernels(policy: str) -> collections.Counter:
+def _gradient_kernels(policy: str, **overrides) -> collections.Counter:
     """Kernel calls of the loss gradient traced for TPU, after dead-code elimination."""
-    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy)
+    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy, **overrides)
     params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
     closed = jax.make_jaxpr(jax.grad(functools.partial(_loss, config=config)))(params, tokens)
@@ -77,13 +78,17 @@ def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
 
 
 @pytest.mark.slow
-def test_keep_attention_spares_the_backward_the_forward_kernel():
-    """Under `full` the backward re-runs the sparse MLA forward kernel of every rematerialised layer;
+@pytest.mark.parametrize("index_topk, forward_kernel, backward_kernel", [
+    (CONFIG.index_topk, "_forward_kernel", "_backward_kernel"),  # T > N: the sparse MLA kernels
+    (SEQ, "_flash_attention_kernel", "_flash_attention_dq_kernel"),  # T <= N: jax's flash attention
+])
+def test_keep_attention_spares_the_backward_the_forward_kernel(index_topk, forward_kernel, backward_kernel):
+    """Under `full` the backward re-runs the attention's forward kernel of every rematerialised layer;
     `full_keep_attention` keeps its outputs, so it runs once per layer, as without remat."""
-    none, full, keep = (_gradient_kernels(p) for p in ("none", "full", "full_keep_attention"))
-    assert full["_forward_kernel"] > none["_forward_kernel"] > 0, (full, none)
-    assert keep["_forward_kernel"] == none["_forward_kernel"], (keep, none)
-    assert keep["_backward_kernel"] == full["_backward_kernel"] == none["_backward_kernel"] > 0
+    none, full, keep = (_gradient_kernels(p, index_topk=index_topk) for p in ("none", "full", "full_keep_attention"))
+    assert full[forward_kernel] > none[forward_kernel] > 0, (full, none)
+    assert keep[forward_kernel] == none[forward_kernel], (keep, none)
+    assert keep[backward_kernel] == full[backward_kernel] == none[backward_kernel] > 0
 
 
 @pytest.mark.slow
@@ -135,10 +140,24 @@ def test_without_topk_scores_keeps_the_selection_only(capsys):
         full_calls, lean_calls)
 
 
-def test_the_kept_kernels_are_the_sparse_mla_forward_kernels():
-    """The policy finds the kernels by function and module name: both must exist, so a rename fails here."""
+def test_the_kept_kernels_are_the_attention_forward_kernels():
+    """The policy finds the kernels by function and module name: each must exist, so a rename fails here."""
+    from jax.experimental.pallas.ops.tpu import flash_attention
+
     from pallas_kernels import sparse_mla, tpu_sparse_mla
 
-    for name, module_file in SPARSE_MLA_FORWARD_KERNELS:
-        module = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla}[module_file]
+    modules = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla, "flash_attention.py": flash_attention}
+    for name, module_file in ATTENTION_FORWARD_KERNELS:
+        module = modules[module_file]
         assert Path(inspect.getsourcefile(getattr(module, name))).name == module_file
+
+
+@pytest.mark.slow
+def test_flash_every_key_false_keeps_the_sparse_mla_kernels():
+    """`flash_every_key: false` (a config whose memory is short, the v6e recipe) attends over every selected key
+    with the sparse MLA kernels, as where T > N; a value that is not a bool is refused by name."""
+    flash, sparse = (_gradient_kernels("none", index_topk=SEQ, flash_every_key=f) for f in (True, False))
+    assert flash["_flash_attention_kernel"] > 0 and "_forward_kernel" not in flash, flash
+    assert sparse["_forward_kernel"] > 0 and "_flash_attention_kernel" not in sparse, sparse
+    with pytest.raises(ConfigError, match="flash_every_key='yes' is invalid: must be true or false"):
+        dataclasses.replace(CONFIG, flash_every_key="yes").validate()

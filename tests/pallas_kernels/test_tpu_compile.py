@@ -21,6 +21,7 @@ import pytest
 from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes, on_chip
 
 from pallas_kernels import (
+    causal_flash_attention,
     dense_attention_target,
     indexer_scores,
     indexer_topk,
@@ -93,8 +94,15 @@ def entry_points(shape: Shapes, dtype) -> dict:
         return selected_scores_backward(q, k, w, indices, d_scores, block_n=shape.block_n,
                                         bwd_query_chunk=shape.bwd_query_chunk, **compiled)
 
+    # Every key selected (T <= N): jax's flash kernels over the expanded heads (qk 192 + 64, v 256), T tokens.
+    q_heads, v_heads, segments = sds((b, t, h, 256), dtype), sds((b, t, h, 256), dtype), sds((b, t), jnp.int32)
+
+    def flash_loss(q, k, v, segments):
+        return jnp.sum(causal_flash_attention(q, k, v, segments, scale=256**-0.5, **compiled).astype(jnp.float32))
+
     grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
     return {
+        "causal_flash_attention_with_backward": (grad(flash_loss, 3), (q_heads, q_heads, v_heads, segments), 3),
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
         "sparse_mla_backward": (grad(attention_loss, 2), (q, latent, indices), 2),  # recomputed forward + bwd
         "sparse_mla_with_target_forward": (with_target, (q, latent, indices), 1),

@@ -1,6 +1,8 @@
 """`hlo_stats` against hand-computed values: matmul FLOPs (dots in loops, convolutions, ragged dots, Pallas
 kernels' declared costs), HBM bytes, and each collective's bytes by kind, source and link."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -185,6 +187,18 @@ def test_kernels_count_their_declared_cost_and_the_rest_are_named():
     assert stats.hbm_bytes == 3 * (7890 + 2 * 64 * 64 * 4)
     assert stats.hbm_bytes_by_source["costed_kernel/pallas_call"] == 3 * 7890
     assert sum(stats.hbm_bytes_by_source.values()) == stats.hbm_bytes
+
+
+def test_a_cost_declared_around_a_mosaic_kernel_replaces_the_kernels_own():
+    """A wrapper's declared cost (frontend attributes, e.g. around jax's flash attention, whose own estimate counts
+    its keys once) is the one counted; the Mosaic backend config's estimate only where none was declared."""
+    mosaic = ('custom_call_target="tpu_custom_call", backend_config={"cost_estimate":{"flops":"999",'
+              '"transcendentals":"0","bytes_accessed":"11"}}')
+    text = TRITON_HLO.replace('custom_call_target="__gpu$xla.gpu.triton"', mosaic)
+    text = re.sub(r', backend_config=\{grid_x[^}]*\}', "", text)
+    stats = hlo_stats(text, num_devices=1)
+    assert stats.flops_by_source == {"costed_kernel/pallas_call": 3 * 123456, "bare_kernel/pallas_call": 3 * 999}
+    assert stats.hbm_bytes == 3 * (7890 + 11) and not stats.kernels_without_cost
 
 
 def _matmul_kernel(x_ref, y_ref, o_ref):

@@ -1,0 +1,64 @@
+"""Attention of every head over every visible key (causal within packed segments), in MLA's expanded form, where
+DSA's selection is the causal mask itself: a layer whose top-k keeps every key (T <= index_topk) and the dense
+warm-up's attention. With the Mosaic kernels it runs jax's flash attention (`pallas_kernels.flash_attention`)
+on each device's own rows, instead of the sparse MLA kernel gathering every visible latent row per query.
+
+Only with the TPU kernels (`attention_backend: pallas` on TPU, or the TPU interpret mode), on whole sequences
+(no `context` split) attending to themselves; elsewhere the layers keep their own paths (the jnp backends
+already choose the dense form for short sequences, `model.attention.choose_backend`; the Triton kernels have no
+flash attention here yet).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.distributed.batch_local import context_split
+from glm5_jax.distributed.context_local import context_local
+from glm5_jax.ops.platform import uses_tpu_kernels
+from pallas_kernels import causal_flash_attention, dense_attention_target
+
+
+def flash_attends(config: ModelConfig, num_queries: int, num_keys: int, mesh=None) -> bool:
+    """Whether queries attending to their own sequence's keys run the flash kernel (see the module doc; config
+    `flash_every_key: false` turns it off)."""
+    return (config.flash_every_key and uses_tpu_kernels(config) and num_queries == num_keys
+            and context_split(mesh) == 1)
+
+
+def selects_every_key(config: ModelConfig, num_keys: int) -> bool:
+    """A top-k over at most index_topk keys keeps every visible one: the selection is the causal mask."""
+    return num_keys <= config.index_topk
+
+
+def causal_attention(queries: jax.Array, keys: jax.Array, values: jax.Array, segment_ids: jax.Array, *,
+                     config: ModelConfig, mesh=None) -> jax.Array:
+    """Per-head outputs [B, S, H, P] of queries [B, S, H, K] over keys [B, S, H, K] / values [B, S, H, P] of the
+    same tokens, each query seeing the keys at or before it with its segment id; the flash kernel on each
+    device's rows (`flash_attends` must hold)."""
+    def flash(_, queries, segment_ids, keys, values):
+        return causal_flash_attention(queries, keys, values, segment_ids, scale=config.softmax_scale,
+                                      **config.pallas_options)
+
+    return context_local(flash, mesh, (queries, segment_ids), (keys, values), local_rows=True)
+
+
+def causal_attention_with_target(queries: jax.Array, keys: jax.Array, values: jax.Array, absorbed: jax.Array,
+                                 rows: jax.Array, segment_ids: jax.Array, *, config: ModelConfig,
+                                 mesh=None) -> tuple[jax.Array, jax.Array]:
+    """(`causal_attention`'s per-head outputs, the indexer KL's target over every visible key [B, S, T] fp32, a
+    constant): the target is the dense target kernel's over the absorbed queries [B, S, H, C+R] and latent rows
+    [B, S, C+R] (the same probabilities; the flash kernel keeps none)."""
+    constant = jax.lax.stop_gradient
+
+    def kernels(_, queries, absorbed, q_segments, keys, values, rows, k_segments):
+        heads = causal_flash_attention(queries, keys, values, q_segments, scale=config.softmax_scale,
+                                       **config.pallas_options)
+        target = dense_attention_target(constant(absorbed), constant(rows), scale=config.softmax_scale,
+                                        q_segment_ids=q_segments, k_segment_ids=k_segments,
+                                        **config.pallas_options)
+        return heads, target
+
+    return context_local(kernels, mesh, (queries, absorbed, segment_ids), (keys, values, rows, segment_ids),
+                         local_rows=True)

@@ -1,0 +1,65 @@
+"""Causal flash attention over every visible key (jax's Mosaic flash kernels behind
+`pallas_kernels.flash_attention`, TPU interpret mode on CPU) equals the masked softmax attention: values and the
+gradients in q, k and v, with packed segments, head dims that are not lane multiples and a sequence that is not
+a block multiple; and its declared costs count the key blocks it computes and re-reads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import _Plan, causal_flash_attention
+from pallas_kernels.masks import visible_keys
+
+
+def masked_reference(q, k, v, segment_ids, scale):
+    logits = jnp.einsum("BSHK,BTHK->BHST", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+    allowed = visible_keys(segment_ids, segment_ids)[:, None]
+    probs = jax.nn.softmax(jnp.where(allowed, logits, -1e30), axis=-1)
+    return jnp.einsum("BHST,BTHP->BSHP", probs, v, precision=jax.lax.Precision.HIGHEST)
+
+
+def test_values_and_gradients_equal_the_masked_attention():
+    b, s, h, k_dim, p_dim, scale = 2, 300, 3, 24, 16, 0.2  # padded to 384 tokens (3 blocks of 128), dims to 128
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k = (jax.random.normal(key, (b, s, h, k_dim), jnp.float32) for key in keys[:2])
+    v = jax.random.normal(keys[2], (b, s, h, p_dim), jnp.float32)
+    segment_ids = jnp.array([[1] * 140 + [2] * 160, [1] * 300])
+    cotangent = jax.random.normal(keys[3], (b, s, h, p_dim), jnp.float32)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)
+
+    flash = jax.jit(lambda q, k, v: causal_flash_attention(q, k, v, segment_ids, scale=scale, interpret=True,
+                                                           platform="tpu"))
+    reference = lambda q, k, v: masked_reference(q, k, v, segment_ids, scale)  # noqa: E731
+    np.testing.assert_allclose(flash(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        assert np.abs(np.asarray(w)).max() > 0, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_declared_costs_count_the_computed_and_reread_key_blocks():
+    plan = _Plan(batch=1, heads=2, length=1024, dim=256, block=256, itemsize=2)
+    assert plan.block_pairs == 4 * 5 // 2  # on or below the diagonal of 4 x 4 blocks
+    pair = 2 * 256 * 256 * 256  # one [256, D] x [D, 256] product
+    flops, accessed, _ = plan.forward_cost()
+    assert flops == 2 * 10 * 2 * pair  # q.k and p.v, per head
+    tile = 256 * 256 * 2  # one block of k (or v) rows
+    assert accessed == 2 * (2 * 10 * tile) + 2 * 2 * 1024 * 256 * 2 + 2 * 2 * 1024 * 128 * 4
+    assert plan.dkv_cost()[0] == 2 * 10 * 4 * pair and plan.dq_cost()[0] == 2 * 10 * 3 * pair
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=jnp.zeros((1, 8, 2, 4))), "k.shape"),
+    (dict(segment_ids=jnp.zeros((1, 7), jnp.int32)), "segment_ids.shape"),
+    (dict(v=jnp.zeros((1, 8, 2), jnp.float32)), "v must have rank 4"),
+    (dict(platform="gpu"), "Mosaic .TPU. kernels only; got platform='gpu'"),
+])
+def test_bad_shapes_are_refused_by_name(bad, match):
+    args = dict(q=jnp.zeros((1, 8, 2, 6)), k=jnp.zeros((1, 8, 2, 6)), v=jnp.zeros((1, 8, 2, 4)),
+                segment_ids=jnp.ones((1, 8), jnp.int32), platform="tpu") | bad
+    with pytest.raises(ValueError, match=match):
+        causal_flash_attention(**args, scale=1.0, interpret=True)

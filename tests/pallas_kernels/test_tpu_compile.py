@@ -6,7 +6,7 @@ Each compiled module must hold the expected number of Mosaic kernels, no Triton,
 (as libtpu allotted it) must fit under the chips' smallest default limit.
 
 Not compiled here any more (12 of the former 72 compiles are kept, 14 with the sparse KL's backward since
-2026-12-02, to keep the suite's CPU time down): fp32 at GLM-5's shapes, and the interpret tests' small odd shapes
+2026-12-02, 16 with the flash attention over every key since 2026-12-03, to keep the suite's CPU time down): fp32 at GLM-5's shapes, and the interpret tests' small odd shapes
 (test_tpu_kernels.py CASES), whose numerics the interpret-mode tests still check."""
 
 from __future__ import annotations

@@ -3,15 +3,17 @@
 
 For DSA layers whose top-k selects every visible key (T <= N: the selection is the causal mask) and for the
 dense warm-up's attention. The sparse MLA kernels would gather every visible latent row per query there, O(S x T)
-row reads, where flash attention streams key blocks past query blocks (at S = T = 2048 on v6e, one layer's
-forward and backward: 26.5 GB and 16.2 ms against 1.7 GB and 1.1 ms; benchmarks/tpu_kernels_aot.py).
+row reads, where flash attention streams key blocks past query blocks (one layer's sparse stage at S = T = 2048
+on v6e, forward and backward: 26.5 GB and 16.2 ms by roofline with the sparse kernels, 8.3 GB and 5.1 ms with
+this, the top-k and the dense KL target; benchmarks/tpu_kernels_aot.py).
 
 q [B, S, H, K] and k [B, S, H, K] (K = nope + rope), v [B, S, H, P], segment_ids [B, S]: query s sees key t iff
 t <= s and both carry the same segment id. Head dims are zero-padded to one multiple of 128 (the kernels' lane
-width; q.k and the output are unchanged; GLM-5's are 256 already), the sequence to a block multiple (padding tokens get segment id -1:
-they see only each other). The forward and both backward kernels (dk/dv, then dq) are jax's, called through
-their module's functions so that each kernel declares its cost: FLOPs of the key blocks it computes and HBM
-bytes counting the blocks it re-reads (jax declares the forward's inputs once and nothing for the backward).
+width; q.k and the output are unchanged; GLM-5's are 256 already), the sequence to a block multiple (padding
+tokens get segment id -1: they see only each other). The forward and both backward kernels (dk/dv, then dq)
+are jax's, called through their module's functions so that each kernel declares its cost: FLOPs of the key
+blocks it computes and HBM bytes counting the blocks it re-reads (jax declares the forward's inputs once and
+nothing for the backward).
 `interpret` runs them in TPU interpret mode on CPU.
 """
 
@@ -68,8 +70,8 @@ class _Plan:
         """Per key block: q, do (and l, m, di) of each query block that sees it; k, v read and dk, dv written."""
         per_query_row = 2 * self.dim * self.itemsize + 3 * LANES * 4
         streamed = self.batch * self.heads * self.block_pairs * self.block * per_query_row
-        return self.pair_flops(4), streamed + 4 * self.tile_bytes(self.length, self.dim, self.itemsize), \
-            self.batch * self.heads * self.block_pairs * self.block ** 2
+        once = 4 * self.tile_bytes(self.length, self.dim, self.itemsize)
+        return self.pair_flops(4), streamed + once, self.batch * self.heads * self.block_pairs * self.block ** 2
 
     def dq_cost(self):
         """Per query block: k and v of each key block it sees; q, do, l, m, di read and dq written once."""
@@ -139,9 +141,9 @@ def _validate(q, k, v, segment_ids):
 
 def causal_flash_attention(q, k, v, segment_ids, *, scale: float, interpret: bool | None = None,
                            platform: str | None = None) -> jax.Array:
-    """softmax(scale * q.k) v over the keys each query sees (causal within its segment): [B, S, H, P] in q's
-    dtype, differentiable in q, k and v (fp32 statistics and accumulation inside the kernels). platform: "tpu"
-    or None on a TPU backend; there is no Triton version."""
+    """softmax(scale * q.k) v over the keys each query sees (causal within its segment): [B, S, H, P] in the
+    inputs' promoted dtype, differentiable in q, k and v (fp32 statistics and accumulation inside the kernels).
+    platform: "tpu" or None on a TPU backend; there is no Triton version."""
     if resolve_platform(platform) != "tpu":
         raise ValueError(f"causal_flash_attention runs jax's Mosaic (TPU) kernels only; got platform={platform!r} "
                          f"on the {jax.default_backend()} backend: pass platform='tpu' (interpret=True on CPU)")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NEG_INF, pad_axis
-from pallas_kernels.query_chunks import map_query_chunks, num_query_chunks
+from pallas_kernels.query_chunks import Band, causal_bands, map_query_chunks, num_query_chunks
 from pallas_kernels.reference import indexer_scores_reference, topk_with_scores
 
 
@@ -26,16 +26,6 @@ def index_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: 
     """Masked fp32 index scores [B, S, T] (invisible keys get NEG_INF), at the backend's default precision."""
     return indexer_scores_reference(q, k, weights, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids,
                                     q_offset=q_offset, precision=None)
-
-
-# Causal key bands: with q_offset 0 and as many keys as queries, the query blocks are grouped into up to this many
-# bands, each scoring only the keys up to its last query (static slices), which skips most of the masked half.
-MAX_CAUSAL_BANDS = 8
-
-
-def _causal_bands(n_chunks: int) -> int:
-    """The largest divisor of n_chunks that is <= MAX_CAUSAL_BANDS."""
-    return max(b for b in range(1, min(n_chunks, MAX_CAUSAL_BANDS) + 1) if n_chunks % b == 0)
 
 
 def running_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,
@@ -88,8 +78,8 @@ def select_topk_with_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_se
                             k_segment_ids: jax.Array, topk: int, q_offset: int | jax.Array = 0,
                             query_chunk: int = 0, key_block: int = 0) -> tuple[jax.Array, jax.Array]:
     """(Top-k key indices per query [B, S, N], their fp32 scores; unused slots -1 and NEG_INF). With `query_chunk` > 0 only a [B, chunk, T] score block
-    exists at a time (chunks run sequentially under `lax.map`); for causal self-selection (q_offset 0, S == T)
-    each band of blocks scores only the keys it can see, ~(1 + 1/bands) / 2 of the [S, T] work. With
+    exists at a time (chunks run sequentially under `lax.map`); with a static q_offset each band of blocks scores
+    only the keys it can see (`causal_bands`), ~(1 + 1/bands) / 2 of a causal self-selection's [S, T] work. With
     `key_block` > 0 keys are scored in blocks too, merged into a running top-k (`running_topk`)."""
     n_chunks = num_query_chunks(q.shape[1], query_chunk)
     if n_chunks == 1:
@@ -97,22 +87,19 @@ def select_topk_with_scores(q: jax.Array, k: jax.Array, weights: jax.Array, q_se
     chunk_len = q.shape[1] // n_chunks
     width = min(topk, k.shape[1])
 
-    def blocks_over(keys, key_segments, q_, w_, seg_, first):
+    def band_topk(band: Band):
+        keys, key_segments = k[:, :band.num_keys], k_segment_ids[:, :band.num_keys]
+        rows = slice(band.first_query, band.first_query + band.num_queries)
+
         def chunk(q_c, w_c, seg_c, rows_c):  # rows_c: the block's query indices, so rows_c[0, 0] is its offset
             picked, values = _chunk_topk(q_c, keys, w_c, seg_c, key_segments, topk, q_offset + rows_c[0, 0],
                                          key_block)
             pad = [(0, 0), (0, 0), (0, width - picked.shape[-1])]
             return jnp.pad(picked, pad, constant_values=-1), jnp.pad(values, pad, constant_values=NEG_INF)
 
-        rows = first + jnp.arange(q_.shape[1])[None]
-        return map_query_chunks(chunk, q_.shape[1] // chunk_len, q_, w_, seg_, rows)
+        first = band.first_query + jnp.arange(band.num_queries)[None]
+        return map_query_chunks(chunk, band.num_queries // chunk_len, q[:, rows], weights[:, rows],
+                                q_segment_ids[:, rows], first)
 
-    causal_self = isinstance(q_offset, int) and q_offset == 0 and q.shape[1] == k.shape[1]
-    bands = _causal_bands(n_chunks) if causal_self else 1
-    band_len = q.shape[1] // bands
-    picked = []
-    for band in range(bands):  # static key lengths: a band's queries see no key past its last query
-        q_rows, end = slice(band * band_len, (band + 1) * band_len), (band + 1) * band_len if causal_self else None
-        picked.append(blocks_over(k[:, :end], k_segment_ids[:, :end], q[:, q_rows], weights[:, q_rows],
-                                  q_segment_ids[:, q_rows], band * band_len))
+    picked = [band_topk(band) for band in causal_bands(q.shape[1], k.shape[1], q_offset, n_chunks)]
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*picked))

@@ -7,7 +7,9 @@ The score kernel gives each program block_s queries, whose [block_s * I, J] inde
 while key blocks stream past: a [block_s * I, J] x [J, block_t] product per block, ReLU, weighted sum over
 the I heads, so no [S, I, T] tensor exists; blocks past the causal horizon are filled without a matmul.
 `indexer_topk` runs over query chunks under `lax.map`: only a [B, query_chunk, T] score block exists at a
-time, and `jax.lax.top_k` takes the top N = min(topk, T) of it.
+time, and `jax.lax.top_k` takes the top N = min(topk, T) of it. With a static q_offset the chunks are grouped in
+bands whose scores and top-k stop at the band's last visible key (`query_chunks.causal_bands`): XLA's top-k sorts
+each score row whole, so the causal self-selection's masked half would otherwise cost as much as the rest.
 
 Tie-break rule: exactly that of `jax.lax.top_k` on the same scores, i.e. among equal scores the lowest
 key index comes first (ReLU makes many scores exactly 0, so this decides which tied keys fill the last
@@ -45,6 +47,7 @@ from pallas_kernels._common import (
     triton_params,
 )
 from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, indexer_scores_cost
+from pallas_kernels.query_chunks import Band, causal_bands
 from pallas_kernels.shared_memory import fit_block_and_stages
 from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
@@ -242,7 +245,8 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
 
     Indices are ordered by descending score, ties broken like jax.lax.top_k (lowest index first); slots
     on invisible keys hold -1 and score NEG_INF. Scores are differentiable like `indexer_scores`'.
-    Memory: one [B, query_chunk, T] fp32 score block at a time. platform, cost_q_offset: as in `indexer_scores`.
+    Memory: one [B, query_chunk, T] fp32 score block at a time; with a static q_offset each band of chunks scores
+    and ranks only the keys its queries can see (`causal_bands`). platform, cost_q_offset: as in `indexer_scores`.
     """
     _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t)
     check_positive_int("topk", topk)
@@ -258,22 +262,35 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
     q_p, w_p = pad_axis(q, 1, len_p), pad_axis(w, 1, len_p)
     q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)
     q_seg_p = pad_axis(q_seg, 1, len_p)
+    first_position = static_q_offset(q_offset, cost_q_offset)
 
-    def select(c):
-        def take(x, axis=1):
-            return lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=axis)
+    def band_topk(band: Band):
+        keys, key_segments = k[:, :band.num_keys], k_seg[:, :band.num_keys]
+        width = min(num_selected, band.num_keys)
+        real_queries = min(band.num_queries, q_len - band.first_query)  # the last band ends in padding
+        span = (None if first_position is None else first_position + band.first_query, real_queries,
+                band.num_queries // chunk)
 
-        pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
-        scores = _scores(take(q_p), k, take(w_p), pos_c, seg_c, k_seg, block_t, chunk, interpret, platform,
-                         (static_q_offset(q_offset, cost_q_offset), q_len, n_chunks))
-        values, indices = lax.top_k(scores, num_selected)
-        picked_seg = jnp.take_along_axis(k_seg[:, None, :], indices, axis=-1)
-        visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)
-        return jnp.where(visible, indices, -1).astype(jnp.int32), values
+        def select(c):
+            def take(x, axis=1):
+                return lax.dynamic_slice_in_dim(x, band.first_query + c * chunk, chunk, axis=axis)
 
-    indices, values = lax.map(select, jnp.arange(n_chunks))
+            pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
+            scores = _scores(take(q_p), keys, take(w_p), pos_c, seg_c, key_segments, block_t, chunk, interpret,
+                             platform, span)
+            values, indices = lax.top_k(scores, width)
+            picked_seg = jnp.take_along_axis(key_segments[:, None, :], indices, axis=-1)
+            visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)
+            pad = [(0, 0), (0, 0), (0, num_selected - width)]
+            return (jnp.pad(jnp.where(visible, indices, -1).astype(jnp.int32), pad, constant_values=-1),
+                    jnp.pad(values, pad, constant_values=NEG_INF))
+
+        return lax.map(select, jnp.arange(band.num_queries // chunk))
 
     def unchunk(x):  # [n_chunks, B, chunk, N] -> [B, S, N]
         return jnp.moveaxis(x, 0, 1).reshape(batch, len_p, num_selected)[:, :q_len]
 
+    # Each band of query chunks ranks only the keys its queries can see (static key lengths; `causal_bands`).
+    bands = [band_topk(band) for band in causal_bands(len_p, k_len, q_offset, n_chunks)]
+    indices, values = (jnp.concatenate(parts, axis=0) for parts in zip(*bands))
     return unchunk(indices), unchunk(values)

@@ -2,11 +2,14 @@
 indices as jax.lax.top_k on the reference score matrix (exact ties included), masking, gradients."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import NEG_INF, indexer_scores, indexer_topk
+from pallas_kernels.chunked_topk import select_topk_with_scores
+from pallas_kernels.query_chunks import Band, causal_bands
 from pallas_kernels.reference import indexer_scores_reference, indexer_topk_reference
 
 
@@ -93,6 +96,57 @@ def test_all_zero_scores_pick_lowest_indices_first():
     want = np.array([[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3], [0, 1, 2, 3]])
     np.testing.assert_array_equal(indices[0], want)
     np.testing.assert_array_equal(values[0], np.where(want >= 0, 0.0, np.float32(NEG_INF)))
+
+
+def test_causal_bands_end_at_each_bands_last_query():
+    assert causal_bands(48, 48, 0, 6) == [Band(8 * i, 8, 8 * (i + 1)) for i in range(6)]
+    assert causal_bands(36, 40, 2, 9) == [Band(0, 12, 14), Band(12, 12, 26), Band(24, 12, 38)]  # 3 divides 9
+    assert causal_bands(64, 64, 0, 16) == [Band(8 * i, 8, 8 * (i + 1)) for i in range(8)]  # at most 8 bands
+    every_key = [Band(0, 48, 48)]
+    assert causal_bands(48, 48, 0, 1) == every_key  # one chunk
+    assert causal_bands(48, 48, jnp.int32(0), 6) == every_key  # an offset known only when the step runs
+    assert causal_bands(48, 60, 52, 6) == [Band(0, 48, 60)]  # the first band already sees every key
+
+
+def _top_k_key_lengths(fn, *args) -> list[int]:
+    """The key length of every lax.top_k in fn's jaxpr (sub-jaxprs of lax.map included)."""
+    lengths = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "top_k":
+                lengths.append(eqn.invars[0].aval.shape[-1])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return lengths
+
+
+@pytest.mark.parametrize("path", ["kernel", pytest.param("kernel_tpu", marks=pytest.mark.slow), "jnp"])
+def test_causal_self_selection_ranks_each_bands_visible_keys_only(path):
+    """S = T = 48 in 6 query chunks of 8: the top-k of each band of chunks runs over the keys its queries can
+    see (8, 16, ..., 48: the first bands hold fewer keys than N = 12, so their slots are padded), and the
+    selection is still lax.top_k's over every key, exact ties and packed segments included."""
+    q, k, w = dyadic_inputs(5, 1, 48, 48, 32, 16)
+    masks = dict(zip(("q_segment_ids", "k_segment_ids"), _segments(1, 48, 48, 0)))
+    if path == "jnp":
+        def select(q, k, w):
+            return select_topk_with_scores(q, k, w, masks["q_segment_ids"], masks["k_segment_ids"], 12,
+                                           query_chunk=8)
+    else:
+        platform = dict(platform="tpu", interpret=True) if path == "kernel_tpu" else {}
+
+        def select(q, k, w):
+            return indexer_topk(q, k, w, topk=12, query_chunk=8, block_t=16, **masks, **platform)
+    assert _top_k_key_lengths(select, q, k, w) == [8, 16, 24, 32, 40, 48]
+    indices, values = jax.jit(select)(q, k, w)
+    reference = indexer_scores_reference(q, k, w, **masks)
+    want_values, want_indices = jax.lax.top_k(reference, 12)
+    np.testing.assert_array_equal(indices, np.where(want_values > NEG_INF / 2, want_indices, -1))
+    np.testing.assert_array_equal(values, want_values)
+    assert np.all(np.asarray(indices[0, :8, 8:]) == -1)  # the first band: at most 8 visible keys
+    assert any(len(set(row)) < len(row) for row in np.asarray(values).reshape(-1, 12))  # real ties
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ def masked_reference(q, k, v, segment_ids, scale):
     return jnp.einsum("BHST,BTHP->BSHP", probs, v, precision=jax.lax.Precision.HIGHEST)
 
 
+@pytest.mark.slow  # ~9 s of TPU interpret mode
 def test_values_and_gradients_equal_the_masked_attention():
     b, s, h, k_dim, p_dim, scale = 2, 300, 3, 24, 16, 0.2  # padded to 384 tokens (3 blocks of 128), dims to 128
     keys = jax.random.split(jax.random.key(0), 4)

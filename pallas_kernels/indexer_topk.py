@@ -290,7 +290,13 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
     def unchunk(x):  # [n_chunks, B, chunk, N] -> [B, S, N]
         return jnp.moveaxis(x, 0, 1).reshape(batch, len_p, num_selected)[:, :q_len]
 
-    # Each band of query chunks ranks only the keys its queries can see (static key lengths; `causal_bands`).
-    bands = [band_topk(band) for band in causal_bands(len_p, k_len, q_offset, n_chunks)]
-    indices, values = (jnp.concatenate(parts, axis=0) for parts in zip(*bands))
+    # Each band of query chunks ranks only the keys its queries can see (static key lengths; `causal_bands`). The
+    # bands write into one buffer in place: a concatenation would hold every band's result and the whole twice.
+    indices = jnp.full((n_chunks, batch, chunk, num_selected), -1, jnp.int32)
+    values = jnp.full((n_chunks, batch, chunk, num_selected), NEG_INF, jnp.float32)
+    for band in causal_bands(len_p, k_len, q_offset, n_chunks):
+        band_indices, band_values = band_topk(band)
+        first = band.first_query // chunk
+        indices = lax.dynamic_update_slice_in_dim(indices, band_indices, first, axis=0)
+        values = lax.dynamic_update_slice_in_dim(values, band_values, first, axis=0)
     return unchunk(indices), unchunk(values)

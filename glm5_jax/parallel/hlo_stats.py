@@ -127,9 +127,19 @@ class _Computation:
     traffic: float | None = None  # HBM bytes of a fusion calling this computation, once computed
 
 
+def _unclosed_braces(text: str) -> int:
+    return text.count("{") - text.count("}")
+
+
 def parse_computations(text: str) -> tuple[dict[str, _Computation], str]:
     computations, entry, current = {}, None, None
     for line in text.splitlines():
+        if current is not None and current.instructions and _unclosed_braces(current.instructions[-1].rest) > 0:
+            # The instruction goes on: XLA prints some backend configs as multi-line JSON (a Mosaic kernel's
+            # cost_estimate, seen on v6e), which would otherwise end the instruction before its cost.
+            last = current.instructions[-1]
+            current.instructions[-1] = dataclasses.replace(last, rest=last.rest + " " + line.strip())
+            continue
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             current = _Computation(header.group(2), {}, {}, [])
@@ -288,9 +298,9 @@ def _kernel_cost(inst: _Instruction) -> tuple[float, float] | None:
     accessed = re.search(bytes_key + r'="?(\d+)', inst.rest)
     if flops or accessed:
         return float(flops.group(1)) if flops else 0.0, float(accessed.group(1)) if accessed else 0.0
-    mosaic = re.search(r'"cost_estimate":\{([^{}]*)\}', inst.rest)
+    mosaic = re.search(r'"cost_estimate":\s*\{([^{}]*)\}', inst.rest)
     if mosaic:
-        values = dict(re.findall(r'"(\w+)":"?(\d+)', mosaic.group(1)))
+        values = dict(re.findall(r'"(\w+)":\s*"?(\d+)', mosaic.group(1)))
         return float(values.get("flops", 0)), float(values.get("bytes_accessed", 0))
     return None
 

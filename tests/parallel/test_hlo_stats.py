@@ -201,6 +201,21 @@ def test_a_cost_declared_around_a_mosaic_kernel_replaces_the_kernels_own():
     assert stats.hbm_bytes == 3 * (7890 + 11) and not stats.kernels_without_cost
 
 
+def test_a_mosaic_cost_printed_over_several_lines_is_still_counted():
+    """XLA prints some Mosaic kernels' backend config as multi-line JSON with unquoted numbers (the grouped
+    matmul's weight gradient in the v6e-256 step, 75 kernels left uncounted before this was read): the
+    instruction goes on over the lines until its braces close, and the lines after it still parse."""
+    mosaic = ('custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "TUzv", '
+              '"cost_estimate": {\n"bytes_accessed":11,\n"flops":999,\n"transcendentals":0\n}, '
+              '"needs_layout_passes": true}}')
+    text = TRITON_HLO.replace('custom_call_target="__gpu$xla.gpu.triton"', mosaic)
+    text = re.sub(r', backend_config=\{grid_x[^}]*\}', "", text)
+    assert len(text.splitlines()) > len(TRITON_HLO.splitlines())
+    stats = hlo_stats(text, num_devices=1)
+    assert stats.flops_by_source == {"costed_kernel/pallas_call": 3 * 123456, "bare_kernel/pallas_call": 3 * 999}
+    assert stats.hbm_bytes == 3 * (7890 + 11) and not stats.kernels_without_cost
+
+
 def _matmul_kernel(x_ref, y_ref, o_ref):
     o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 

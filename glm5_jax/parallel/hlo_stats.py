@@ -127,14 +127,15 @@ class _Computation:
     traffic: float | None = None  # HBM bytes of a fusion calling this computation, once computed
 
 
-def _unclosed_braces(text: str) -> int:
-    return text.count("{") - text.count("}")
+def _continues(rest: str) -> bool:
+    """Whether an instruction's text stops inside its backend config (braces still open)."""
+    return "backend_config=" in rest and rest.count("{") > rest.count("}")
 
 
 def parse_computations(text: str) -> tuple[dict[str, _Computation], str]:
     computations, entry, current = {}, None, None
     for line in text.splitlines():
-        if current is not None and current.instructions and _unclosed_braces(current.instructions[-1].rest) > 0:
+        if current is not None and current.instructions and _continues(current.instructions[-1].rest):
             # The instruction goes on: XLA prints some backend configs as multi-line JSON (a Mosaic kernel's
             # cost_estimate, seen on v6e), which would otherwise end the instruction before its cost.
             last = current.instructions[-1]

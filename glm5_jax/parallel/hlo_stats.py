@@ -127,20 +127,19 @@ class _Computation:
     traffic: float | None = None  # HBM bytes of a fusion calling this computation, once computed
 
 
-def _continues(rest: str) -> bool:
-    """Whether an instruction's text stops inside its backend config (braces still open)."""
-    return "backend_config=" in rest and rest.count("{") > rest.count("}")
-
-
 def parse_computations(text: str) -> tuple[dict[str, _Computation], str]:
     computations, entry, current = {}, None, None
+    # XLA prints some backend configs as multi-line JSON (a Mosaic kernel's cost_estimate, seen on v6e): a line that
+    # ends by opening a brace inside a backend config goes on over the next lines until that brace closes. Only the
+    # braces from there on count: a Triton kernel's one-line config may hold unbalanced ones in its strings.
+    open_braces = 0
     for line in text.splitlines():
-        if current is not None and current.instructions and _continues(current.instructions[-1].rest):
-            # The instruction goes on: XLA prints some backend configs as multi-line JSON (a Mosaic kernel's
-            # cost_estimate, seen on v6e), which would otherwise end the instruction before its cost.
+        if open_braces > 0 and current is not None and current.instructions:
             last = current.instructions[-1]
             current.instructions[-1] = dataclasses.replace(last, rest=last.rest + " " + line.strip())
+            open_braces += line.count("{") - line.count("}")
             continue
+        open_braces = 0
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             current = _Computation(header.group(2), {}, {}, [])
@@ -163,6 +162,8 @@ def parse_computations(text: str) -> tuple[dict[str, _Computation], str]:
             current.instructions.append(_Instruction(name, type_text, op, rest))
             if root:
                 current.root = name
+            if "backend_config=" in rest and rest.rstrip().endswith("{"):
+                open_braces = 1
     if entry is None:
         raise HloParseError("no ENTRY computation in the HLO text")
     return computations, entry

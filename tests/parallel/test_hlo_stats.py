@@ -216,6 +216,14 @@ def test_a_mosaic_cost_printed_over_several_lines_is_still_counted():
     assert stats.hbm_bytes == 3 * (7890 + 11) and not stats.kernels_without_cost
 
 
+def test_unbalanced_braces_inside_a_one_line_backend_config_end_nothing():
+    """A Triton kernel's config holds its IR as a string, whose braces need not balance on the line: the
+    instructions after it are still their own."""
+    text = TRITON_HLO.replace('name = "costed_kernel"', 'name = "costed_kernel", ir = "scf.for {"')
+    assert text != TRITON_HLO
+    assert hlo_stats(text, num_devices=1) == hlo_stats(TRITON_HLO, num_devices=1)
+
+
 def _matmul_kernel(x_ref, y_ref, o_ref):
     o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 

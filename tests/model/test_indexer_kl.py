@@ -215,5 +215,6 @@ def test_blocked_selection_returns_the_scores_of_one_selection(query_chunk, key_
     topk, scores = jax.jit(select_topk_with_scores, static_argnums=(5,), static_argnames=("query_chunk", "key_block"))(
         q, k, w, segments, segments, n, query_chunk=query_chunk, key_block=key_block)
     np.testing.assert_array_equal(topk, want_topk)
-    np.testing.assert_allclose(scores, want_scores, rtol=1e-6)
+    # Blocks change the matmuls' shapes and so XLA:CPU's summation order: ~1.6e-6 apart on an AVX2-only CPU.
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
     assert (want_topk < 0).any() and np.all(np.asarray(scores)[np.asarray(topk) < 0] == NEG_INF)

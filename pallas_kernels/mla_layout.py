@@ -135,6 +135,25 @@ def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
         block //= 2
 
 
+# Queries per backward step when the caller names none (`backward_query_chunk`).
+MIN_BWD_QUERY_CHUNK, MAX_BWD_QUERY_CHUNK = 512, 2048
+ACCUMULATOR_SHARE = 8  # each step's fp32 d(latent) traffic is at most 1/8 of its per-slot row gradients'
+
+
+def backward_query_chunk(num_keys: int, num_slots: int, itemsize: int) -> int:
+    """Queries per backward step of a sparse MLA call that names none: the smallest power of two from 512 (at
+    most 2048) at which the step's read and write of the whole fp32 d(latent) [T, W] (the scatter's
+    accumulator) is at most an eighth of the per-slot row gradients the step writes and reads back ([chunk, N,
+    W] in the latent's dtype). GLM-5 (N 2048, bf16): 512 up to T = 65,536, 1024 to 131,072, 2048 beyond (at
+    202,752 the accumulator's traffic falls from 411 to 103 GB per layer; the per-slot buffer grows from 1.3 to
+    5.4 GB per sequence)."""
+    chunk = MIN_BWD_QUERY_CHUNK
+    while (chunk < MAX_BWD_QUERY_CHUNK
+           and ACCUMULATOR_SHARE * 2 * num_keys * 4 > 2 * chunk * num_slots * itemsize):
+        chunk *= 2
+    return chunk
+
+
 def _scatter_add_rows(acc: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """acc[b, rows[b, m]] += values[b, m] for every m, duplicates summed in acc's dtype (fp32, whatever the
     values' dtype); out-of-range rows dropped.

@@ -32,7 +32,7 @@ def _gather_selected(latent: jax.Array, indices: jax.Array):
 
 
 def sparse_mla_attention_reference(q, latent, indices, *, scale, kv_lora_rank, precision=HIGHEST, block_n=64,
-                                   bwd_query_chunk=512, interpret=None):
+                                   bwd_query_chunk=None, interpret=None):
     """softmax(scale * q.k over the valid selected rows) @ v; returns (out [B,S,H,C] q.dtype, lse fp32).
     An index outside [0, T) is an unused slot."""
     in_range = jnp.where(indices < latent.shape[1], indices, -1)
@@ -87,7 +87,7 @@ def sparse_attention_target_reference(q, latent, indices, lse, *, scale, block_n
 
 
 def sparse_mla_attention_with_target_reference(q, latent, indices, *, scale, kv_lora_rank, precision=HIGHEST,
-                                               block_n=64, bwd_query_chunk=512, interpret=None):
+                                               block_n=64, bwd_query_chunk=None, interpret=None):
     """(out, lse) of `sparse_mla_attention_reference` and the sparse target from that lse (a constant)."""
     out, lse = sparse_mla_attention_reference(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank,
                                               precision=precision)

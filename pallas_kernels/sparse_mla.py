@@ -48,6 +48,7 @@ from pallas_kernels.dsa_cost import (
 from pallas_kernels.mla_layout import (
     MlaLayout,
     backward_plan,
+    backward_query_chunk,
     backward_shift,
     chunked_backward,
     gather_kernel_plan,
@@ -276,15 +277,18 @@ _sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk, interpret,
                          cost_q_offset=None):
-    """(MlaLayout, interpret resolved) of a sparse MLA call, or a ValueError naming the bad argument."""
+    """(MlaLayout, bwd_query_chunk resolved, interpret resolved) of a sparse MLA call, or a ValueError naming
+    the bad argument."""
     layout = validate_sparse_inputs(q, latent, indices, kv_lora_rank, block_n)
     check_scale(scale)
+    if bwd_query_chunk is None:
+        bwd_query_chunk = backward_query_chunk(latent.shape[1], layout.num_slots, jnp.dtype(latent.dtype).itemsize)
     check_positive_int("bwd_query_chunk", bwd_query_chunk)
     check_cost_offset(cost_q_offset)
-    return layout, resolve_interpret(interpret)
+    return layout, bwd_query_chunk, resolve_interpret(interpret)
 
 
-def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=512,
+def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=None,
                          interpret=None, platform=None, cost_q_offset=None):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
 
@@ -297,6 +301,7 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     B * bwd_query_chunk * N * (C+R) values in the latent's dtype (GLM-5 bf16, 512: 1.3 GB per sequence). Each
     step's scatter reads and writes the fp32 d(latent) [B, T, C+R] once, so at long T a larger chunk moves fewer
     bytes per query (S = T = 65536 on v5p: 1.36, 1.05, 0.87 GB of scatter per 256 queries at 256, 512, 1024).
+    None: `mla_layout.backward_query_chunk` picks it from T and N (512 up to 64K keys for GLM-5).
     Differentiable in q and latent, through out and lse.
     platform: "gpu" (Triton), "tpu" (Mosaic, `tpu_sparse_mla.py`) or None (TPU kernels on a TPU backend).
     Each query's programs stop after its last block of slots holding a valid one (the indexer's top-k puts
@@ -304,8 +309,8 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     position cost_q_offset + s of a causal self-selection, so it fills at most that position + 1 slots
     (`dsa_cost.causal_row_blocks`); None counts every block.
     """
-    layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
-                                             interpret, cost_q_offset)
+    layout, bwd_query_chunk, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n,
+                                                              bwd_query_chunk, interpret, cost_q_offset)
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
     return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)

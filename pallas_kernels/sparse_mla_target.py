@@ -20,7 +20,7 @@ from pallas_kernels.sparse_mla import sparse_mla_attention, validate_sparse_call
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla_with_target
 
 
-def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=512,
+def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=None,
                                      interpret=None, platform=None, cost_q_offset=None):
     """`sparse_mla_attention`'s (out, lse) and `sparse_attention_target`'s target from its lse: (out [B, S, H, C]
     q.dtype, lse fp32 [B, S, H], target fp32 [B, S, N]).
@@ -31,8 +31,8 @@ def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank,
     backward. Arguments as `sparse_mla_attention`'s; platform "tpu" gathers the rows once for both, "gpu"
     runs the two kernels.
     """
-    layout, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_query_chunk,
-                                             interpret, cost_q_offset)
+    layout, bwd_query_chunk, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n,
+                                                              bwd_query_chunk, interpret, cost_q_offset)
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret,
                                           cost_q_offset)

@@ -178,3 +178,33 @@ def test_bf16_row_gradients_sum_in_fp32(platform):
     got = d_latent(sparse_mla_attention, q, latent, block_n=16, bwd_query_chunk=64, platform=platform)
     want = d_latent(sparse_mla_attention_reference, q.astype(jnp.float32), latent.astype(jnp.float32))
     assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 6e-3
+
+
+def test_the_default_backward_chunk_grows_with_the_keys():
+    """Each backward step reads and writes the whole fp32 d(latent) [T, W]: by default the chunk doubles from 512
+    (to 2048) until that is at most an eighth of the step's per-slot rows [chunk, N, W] in the latent's dtype."""
+    from pallas_kernels.mla_layout import backward_query_chunk
+
+    glm5 = {4096: 512, 65536: 512, 65537: 1024, 131072: 1024, 131073: 2048, 202752: 2048, 1 << 20: 2048}
+    assert {t: backward_query_chunk(t, 2048, 2) for t in glm5} == glm5
+    assert backward_query_chunk(131072, 2048, 4) == 512  # fp32 rows: twice the per-slot bytes
+    assert backward_query_chunk(65536, 1024, 2) == 1024  # half the slots
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize("entry", [sparse_mla_attention, sparse_mla_attention_with_target])
+def test_a_call_without_a_backward_chunk_runs_its_backward_in_the_rules_chunks(platform, entry, monkeypatch):
+    import pallas_kernels.sparse_mla as sparse_mla
+    import pallas_kernels.tpu_sparse_mla as tpu_sparse_mla
+
+    asked, chunks = [], []
+    monkeypatch.setattr(sparse_mla, "backward_query_chunk", lambda *args: asked.append(args) or 4)
+    module = tpu_sparse_mla if platform == "tpu" else sparse_mla
+    chunked = module.chunked_backward
+    monkeypatch.setattr(module, "chunked_backward", lambda *a, chunk: chunks.append(chunk) or chunked(*a, chunk=chunk))
+    q, latent = jnp.ones((1, 9, 2, 48), jnp.bfloat16), jnp.ones((1, 40, 48), jnp.bfloat16)
+    indices = jnp.zeros((1, 9, 8), jnp.int32)
+    loss = lambda q, latent: entry(q, latent, indices, scale=0.1, kv_lora_rank=32, block_n=16, interpret=True,  # noqa: E731
+                                   platform=platform)[0].astype(jnp.float32).sum()
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, latent)
+    assert asked == [(40, 8, 2)] and chunks == [4]

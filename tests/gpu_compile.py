@@ -68,11 +68,18 @@ def triton_kernel_names(compiled_text: str) -> list[str]:
     return names
 
 
+@functools.cache
+def _triton_smem_bytes(module: bytes, num_warps: int, num_stages: int) -> int:
+    """Shared memory of one Triton module compiled for sm_90, once per process (H100 and H200 share kernels)."""
+    from jax._src.lib import triton  # the CUDA plugin registers its Triton compiler here
+
+    return triton.compile("CUDA", module, "9.0", num_warps=num_warps, num_ctas=1, num_stages=num_stages).smem_bytes
+
+
 def triton_shared_memory(lowered) -> dict[str, int]:
     """Shared memory (bytes) each Pallas Triton kernel of a lowered module asks for, by kernel name: its Triton
     module compiled for sm_90 by the CUDA plugin's Triton compiler, as XLA compiles it (jaxlib <= 0.10.2 keeps
     the Triton module in the custom call's backend config; XLA's compiled text does not show the size)."""
-    from jax._src.lib import triton  # the CUDA plugin registers its Triton compiler here
     from jaxlib.mlir import ir
 
     found = {}
@@ -87,10 +94,9 @@ def triton_shared_memory(lowered) -> dict[str, int]:
         if op.name == "stablehlo.custom_call" and ir.StringAttr(op.attributes["call_target_name"]).value == \
                 PALLAS_TRITON_CALLS[0]:
             config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-            result = triton.compile("CUDA", ir.StringAttr(config["ir"]).value_bytes, "9.0",
-                                    num_warps=ir.IntegerAttr(config["num_warps"]).value, num_ctas=1,
-                                    num_stages=ir.IntegerAttr(config["num_stages"]).value)
-            found[ir.StringAttr(config["name"]).value] = result.smem_bytes
+            found[ir.StringAttr(config["name"]).value] = _triton_smem_bytes(
+                ir.StringAttr(config["ir"]).value_bytes, ir.IntegerAttr(config["num_warps"]).value,
+                ir.IntegerAttr(config["num_stages"]).value)
         visit(op)
 
     visit(lowered.compiler_ir("stablehlo").operation)

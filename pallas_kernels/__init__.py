@@ -1,10 +1,11 @@
 """Pallas kernels for DeepSeek Sparse Attention (GLM-5): sparse MLA attention (forward + backward), the
-lightning indexer's scores and top-k, and the indexer KL targets (the sparse one also fused into the
-attention's forward, `sparse_mla_attention_with_target`). Each has a jnp reference of the same
-signature in `pallas_kernels.reference`; the attention's and the indexer's are the jnp code the model runs
-without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`; `masks` says which
-keys a query sees). And the backward of the index scores at a selection (the sparse KL's gradient: Mosaic only,
-`tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory bounds and tie-breaking.
+lightning indexer's scores and top-k (long rows ranked through bins, `binned_topk`), and the indexer KL targets
+(the sparse one also fused into the attention's forward, `sparse_mla_attention_with_target`). Each has a jnp
+reference of the same signature in `pallas_kernels.reference`; the attention's and the indexer's are the jnp
+code the model runs without kernels (`sparse_latent`, `chunked_topk`, blocked over queries by `query_chunks`;
+`masks` says which keys a query sees). And the backward of the index scores at a selection (the sparse KL's
+gradient: Mosaic only, `tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory
+bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward; and
 causal attention over every visible key on TPU for layers whose top-k keeps every key (`causal_flash_attention`:
 jax's flash kernels with their costs declared).

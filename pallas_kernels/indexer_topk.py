@@ -9,7 +9,9 @@ the I heads, so no [S, I, T] tensor exists; blocks past the causal horizon are f
 `indexer_topk` runs over query chunks under `lax.map`: only a [B, query_chunk, T] score block exists at a
 time, and `jax.lax.top_k` takes the top N = min(topk, T) of it. With a static q_offset the chunks are grouped in
 bands whose scores and top-k stop at the band's last visible key (`query_chunks.causal_bands`): XLA's top-k sorts
-each score row whole, so the causal self-selection's masked half would otherwise cost as much as the rest.
+each score row whole, so the causal self-selection's masked half would otherwise cost as much as the rest. Long
+rows are ranked through strided bins (`binned_topk`): the top N bins by their max, then the top N of their
+scores; on TPU the score kernel folds the bins' maxima as it writes the tiles.
 
 Tie-break rule: exactly that of `jax.lax.top_k` on the same scores, i.e. among equal scores the lowest
 key index comes first (ReLU makes many scores exactly 0, so this decides which tied keys fill the last
@@ -46,10 +48,11 @@ from pallas_kernels._common import (
     static_q_offset,
     triton_params,
 )
+from pallas_kernels.binned_topk import bin_width, binned_topk, topk_from_bins
 from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, indexer_scores_cost
 from pallas_kernels.query_chunks import Band, causal_bands
 from pallas_kernels.shared_memory import fit_block_and_stages
-from pallas_kernels.tpu_indexer import tpu_indexer_scores
+from pallas_kernels.tpu_indexer import tpu_block_t, tpu_indexer_scores
 
 # Rows (query x indexer head) of one score tile: big enough for the tensor cores, small enough for registers.
 _TILE_ROWS = 128
@@ -195,6 +198,42 @@ def _scores_bwd(block_t, bwd_query_chunk, interpret, platform, span, residuals, 
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span, bins, num_keys):
+    """TPU scores with their bin maxima made on chip (`tpu_indexer_scores(..., bins=)`): k (and k_seg) padded to a
+    multiple of `bins`, num_keys the real keys. Differentiable in the scores like `_scores` (the maxima are
+    integers)."""
+    return tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret, span=span,
+                              bins=bins, num_keys=num_keys)
+
+
+def _binned_scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span, bins, num_keys):
+    return (_binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span, bins, num_keys),
+            (q, k, w, q_pos, q_seg, k_seg))
+
+
+def _binned_scores_bwd(block_t, bwd_query_chunk, interpret, span, bins, num_keys, residuals, cotangents):
+    # The padding keys' scores are never selected (NEG_INF, past every real key): their cotangent is 0.
+    return _scores_bwd(block_t, bwd_query_chunk, interpret, "tpu", span, residuals, cotangents[0])
+
+
+_binned_scores.defvjp(_binned_scores_fwd, _binned_scores_bwd)
+
+
+def _scores_topk(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform, span, width, bins,
+                 num_keys):
+    """(values, indices) of the top `width` of one query chunk's scores against its band's num_keys keys, binned
+    (`binned_topk`). bins: on TPU, the bin count the score kernel folds the bins' maxima for (k and k_seg then
+    come padded to a multiple of it), so the top-k reads the scores only to gather its candidates; None: the
+    maxima (if binning pays) are read off the scores."""
+    if bins is None:
+        return binned_topk(_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform,
+                                   span), width)
+    scores, order, first_key = _binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span,
+                                         bins, num_keys)
+    return topk_from_bins(scores, order, first_key, width, num_keys=num_keys)
+
+
 def _validate(q_index, k_index, weights, q_segment_ids, k_segment_ids, q_offset, block_t):
     check_rank("q_index", q_index, 4, "[B, S, I, J]")
     check_rank("k_index", k_index, 3, "[B, T, J]")
@@ -267,6 +306,12 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
     def band_topk(band: Band):
         keys, key_segments = k[:, :band.num_keys], k_seg[:, :band.num_keys]
         width = min(num_selected, band.num_keys)
+        bins = bin_width(band.num_keys, width, align=tpu_block_t(block_t)) if platform == "tpu" else None
+        if bins is not None:  # padded once per band, not by the kernel's wrapper in every chunk
+            score_keys = pad_axis(keys, 1, round_up(band.num_keys, bins))
+            score_segments = pad_axis(key_segments, 1, score_keys.shape[1])
+        else:
+            score_keys, score_segments = keys, key_segments
         real_queries = min(band.num_queries, q_len - band.first_query)  # the last band ends in padding
         span = (None if first_position is None else first_position + band.first_query, real_queries,
                 band.num_queries // chunk)
@@ -276,9 +321,8 @@ def indexer_topk(q_index, k_index, weights, *, topk, q_segment_ids=None, k_segme
                 return lax.dynamic_slice_in_dim(x, band.first_query + c * chunk, chunk, axis=axis)
 
             pos_c, seg_c = take(q_pos_p, 0), take(q_seg_p)
-            scores = _scores(take(q_p), keys, take(w_p), pos_c, seg_c, key_segments, block_t, chunk, interpret,
-                             platform, span)
-            values, indices = lax.top_k(scores, width)
+            values, indices = _scores_topk(take(q_p), score_keys, take(w_p), pos_c, seg_c, score_segments, block_t,
+                                           chunk, interpret, platform, span, width, bins, band.num_keys)
             picked_seg = jnp.take_along_axis(key_segments[:, None, :], indices, axis=-1)
             visible = key_valid(pos_c[None, :, None], seg_c[:, :, None], indices, picked_seg, k_len)
             pad = [(0, 0), (0, 0), (0, num_selected - width)]

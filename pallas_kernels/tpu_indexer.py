@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import NEG_INF, dot_nt, key_valid, pad_axis, round_up, tpu_interpret
+from pallas_kernels.binned_topk import merge_bin_slice
 from pallas_kernels.dsa_cost import QuerySpan, array_bytes, causal_tiles, dense_target_cost, indexer_scores_cost
 
 LANES, SUBLANES = 128, 8
@@ -40,8 +41,13 @@ _EMPTY_ROW_LSE = -NEG_INF
 def _tiles(q_len: int, k_len: int, block_s: int, block_t: int):
     """TPU tile sizes and padded lengths: (block_s, block_t, padded S, padded T)."""
     block_s = min(round_up(block_s, SUBLANES), round_up(q_len, SUBLANES))
-    block_t = round_up(block_t, LANES)
+    block_t = tpu_block_t(block_t)
     return block_s, block_t, round_up(q_len, block_s), round_up(k_len, block_t)
+
+
+def tpu_block_t(block_t: int) -> int:
+    """The key block the TPU kernels use for a requested block_t: a whole number of lanes."""
+    return round_up(block_t, LANES)
 
 
 def _last_positions(q_pos_p: jax.Array, block_s: int) -> jax.Array:
@@ -58,9 +64,16 @@ def _tpu_params(*semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref, out_ref, *, scale, num_keys):
+def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref, out_ref, *bin_refs, scale,
+                   num_keys, bin_blocks):
+    """One [block_s, block_t] tile of scores. With bins (bin_refs = order_ref, first_ref): the tile is key block
+    t = j + i * bin_blocks of grid step (j, i), and it is folded into bin block j's running maxima, which stay in
+    VMEM over the consecutive steps i (`binned_topk.merge_bin_slice`)."""
     block_t = out_ref.shape[-1]
-    first_key = pl.program_id(2) * block_t
+    if bin_refs:
+        first_key = (pl.program_id(2) + pl.program_id(3) * bin_blocks) * block_t
+    else:
+        first_key = pl.program_id(2) * block_t
     visible_block = first_key <= last_ref[pl.program_id(1)]
 
     @pl.when(visible_block)
@@ -76,52 +89,98 @@ def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref,
             scores = scores + w[:, head:head + 1] * jnp.maximum(logits, 0.0)
         k_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
         visible = key_valid(pos_ref[...], q_seg_ref[...], k_pos, k_seg_ref[...], num_keys)
-        out_ref[...] = jnp.where(visible, scores, NEG_INF)
+        # -0.0 (negative weights times ReLU zeros, when the compiler folds the 0 + x of the first head) would rank
+        # below +0.0 in the top-k's total order, where the reference has +0.0: zeros are written as +0.0.
+        out_ref[...] = jnp.where(visible, jnp.where(scores == 0.0, 0.0, scores), NEG_INF)
 
     @pl.when(jnp.logical_not(visible_block))
     def _():
         out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
 
+    if bin_refs:
+        order_ref, first_ref, order, first = bin_refs  # outputs [block_t, block_s], running maxima [block_s, block_t]
+        step = pl.program_id(3)
 
-def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span: QuerySpan):
+        @pl.when(step == 0)
+        def _():
+            order[...] = jnp.full(order.shape, jnp.iinfo(jnp.int32).max, jnp.int32)
+            first[...] = jnp.zeros(first.shape, jnp.int32)
+
+        k_pos = first_key + lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
+        part = jnp.where(k_pos < num_keys, out_ref[...], -jnp.inf)  # keys past the row rank below every score
+        order[...], first[...] = merge_bin_slice(order[...], first[...], part, k_pos)
+
+        @pl.when(step == pl.num_programs(3) - 1)
+        def _():  # written bins-major: XLA's TPU sort ranks along the major axis, so no relayout before it
+            order_ref[...] = order[...].T
+            first_ref[...] = first[...].T
+
+
+def tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, *, block_t: int, interpret: bool, span: QuerySpan,
+                       bins: int | None = None, num_keys: int | None = None):
     """q [B, S, I, J], k [B, T, J], w fp32 [B, S, I], q_pos [S], q_seg [B, S], k_seg [B, T] -> [B, S, T].
-    span: the queries this call's cost covers (`dsa_cost.QuerySpan`)."""
+    span: the queries this call's cost covers (`dsa_cost.QuerySpan`). bins: a number of strided bins W (a
+    multiple of block_t rounded up to 128, below T): then (scores [B, S, T padded to a multiple of W], keys past T
+    scoring NEG_INF; each bin's `binned_topk.bin_maxima`, int32 [B, S, W] twice), the maxima folded on chip as the
+    tiles are made, so the top-k reads the scores only to gather its candidates. num_keys: the real keys when k
+    (and k_seg) come padded (None: all of k); keys past it are invisible."""
     batch, q_len, heads, head_dim = q.shape
-    k_len = k.shape[1]
-    block_s, block_t, len_p, keys_p = _tiles(q_len, k_len, _INDEXER_BLOCK_S, block_t)
+    k_len = k.shape[1] if num_keys is None else num_keys
+    block_s, block_t, len_p, keys_p = _tiles(q_len, k.shape[1], _INDEXER_BLOCK_S, block_t)
+    bin_blocks = 0
+    if bins is not None:
+        if bins % block_t or not 0 < bins < k_len:
+            raise ValueError(f"bins must be a multiple of block_t={block_t} in (0, T={k_len}); got {bins}")
+        bin_blocks, keys_p = bins // block_t, round_up(k.shape[1], bins)
     q_pos_p = pad_axis(q_pos, 0, len_p, value=-1)  # padding queries see no key
     q_heads = jnp.swapaxes(pad_axis(q, 1, len_p), 1, 2)  # [B, I, S, J]: one [block_s, J] slab per head
     k_p = pad_axis(k, 1, keys_p)
     w_p, q_seg_p = pad_axis(w, 1, len_p), pad_axis(q_seg, 1, len_p)[..., None]
     tiles = causal_tiles(span, len_p, block_s, block_t, keys_p // block_t)
-    out_shape = jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)
-    key_spec = lambda b, i, t, last: (b, _visible_key_block(t, last, i, block_t), 0)
+    out_shape = [jax.ShapeDtypeStruct((batch, len_p, keys_p), jnp.float32)]
+    if bins is None:
+        grid = (batch, len_p // block_s, keys_p // block_t)
+        key_block = lambda i, t, last: _visible_key_block(t, last, i, block_t)
+        out_specs = [pl.BlockSpec((None, block_s, block_t), lambda b, i, t, last: (b, i, t))]
+        semantics, scratch = ("parallel", "parallel", "parallel"), []
+    else:  # grid step (j, n) makes key block j + n * bin_blocks; bin block j's maxima stay on chip over n
+        grid = (batch, len_p // block_s, bin_blocks, keys_p // bins)
+        key_block = lambda i, j, n, last: _visible_key_block(j + n * bin_blocks, last, i, block_t)
+        out_specs = [pl.BlockSpec((None, block_s, block_t), lambda b, i, j, n, last: (b, i, j + n * bin_blocks))]
+        out_specs += 2 * [pl.BlockSpec((None, block_t, block_s), lambda b, i, j, n, last: (b, j, i))]
+        out_shape += 2 * [jax.ShapeDtypeStruct((batch, bins, len_p), jnp.int32)]
+        semantics = ("parallel", "parallel", "parallel", "arbitrary")
+        scratch = 2 * [pltpu.VMEM((block_s, block_t), jnp.int32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
-        grid=(batch, len_p // block_s, keys_p // block_t),
+        grid=grid,
+        scratch_shapes=scratch,
         in_specs=[
-            pl.BlockSpec((None, heads, block_s, head_dim), lambda b, i, t, last: (b, 0, i, 0)),
-            pl.BlockSpec((None, block_t, head_dim), key_spec),
-            pl.BlockSpec((None, block_s, heads), lambda b, i, t, last: (b, i, 0)),
-            pl.BlockSpec((block_s, 1), lambda b, i, t, last: (i, 0)),
-            pl.BlockSpec((None, block_s, 1), lambda b, i, t, last: (b, i, 0)),
-            pl.BlockSpec((None, 1, block_t), lambda b, i, t, last: (b, 0, _visible_key_block(t, last, i, block_t))),
+            pl.BlockSpec((None, heads, block_s, head_dim), lambda b, i, *t_last: (b, 0, i, 0)),
+            pl.BlockSpec((None, block_t, head_dim), lambda b, i, *t_last: (b, key_block(i, *t_last), 0)),
+            pl.BlockSpec((None, block_s, heads), lambda b, i, *t_last: (b, i, 0)),
+            pl.BlockSpec((block_s, 1), lambda b, i, *t_last: (i, 0)),
+            pl.BlockSpec((None, block_s, 1), lambda b, i, *t_last: (b, i, 0)),
+            pl.BlockSpec((None, 1, block_t), lambda b, i, *t_last: (b, 0, key_block(i, *t_last))),
         ],
-        out_specs=pl.BlockSpec((None, block_s, block_t), lambda b, i, t, last: (b, i, t)),
+        out_specs=out_specs,
     )
-    scores = pl.pallas_call(
-        functools.partial(_scores_kernel, scale=head_dim**-0.5, num_keys=k_len),
+    outputs = pl.pallas_call(
+        functools.partial(_scores_kernel, scale=head_dim**-0.5, num_keys=k_len, bin_blocks=bin_blocks),
         grid_spec=grid_spec,
         out_shape=out_shape,
-        compiler_params=_tpu_params("parallel", "parallel", "parallel"),
+        compiler_params=_tpu_params(*semantics),
         cost_estimate=indexer_scores_cost(
             batch, tiles, block_s * heads, block_t, head_dim, q.dtype.itemsize,
             query_bytes=array_bytes(q_heads, w_p, q_seg_p) + batch * array_bytes(q_pos_p),
-            out_bytes=array_bytes(out_shape)).estimate(),
+            out_bytes=array_bytes(*out_shape)).estimate(),
         interpret=tpu_interpret(interpret),
     )(_last_positions(q_pos_p, block_s), q_heads, k_p, w_p, q_pos_p[:, None], q_seg_p,
       pad_axis(k_seg, 1, keys_p)[:, None, :])
-    return scores[:, :q_len, :k_len]
+    if bins is None:
+        return outputs[0][:, :q_len, :k_len]
+    # Keys past T stay (scored NEG_INF): slicing them off would copy the scores before the top-k gathers.
+    return outputs[0][:, :q_len], *(jnp.swapaxes(x, 1, 2)[:, :q_len] for x in outputs[1:])
 
 
 def _dense_logits(q_ref, k_ref, pos_ref, seg_ref, k_seg_ref, first_key, *, scale, num_keys):

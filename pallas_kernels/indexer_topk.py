@@ -208,8 +208,9 @@ def _binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, inter
 
 
 def _binned_scores_fwd(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span, bins, num_keys):
-    return (_binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span, bins, num_keys),
-            (q, k, w, q_pos, q_seg, k_seg))
+    out = tpu_indexer_scores(q, k, w, q_pos, q_seg, k_seg, block_t=block_t, interpret=interpret, span=span, bins=bins,
+                             num_keys=num_keys)
+    return out, (q, k, w, q_pos, q_seg, k_seg)
 
 
 def _binned_scores_bwd(block_t, bwd_query_chunk, interpret, span, bins, num_keys, residuals, cotangents):
@@ -229,8 +230,8 @@ def _scores_topk(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpr
     if bins is None:
         return binned_topk(_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, platform,
                                    span), width)
-    scores, order, first_key = _binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret, span,
-                                         bins, num_keys)
+    scores, order, first_key = _binned_scores(q, k, w, q_pos, q_seg, k_seg, block_t, bwd_query_chunk, interpret,
+                                              span, bins, num_keys)
     return topk_from_bins(scores, order, first_key, width, num_keys=num_keys)
 
 

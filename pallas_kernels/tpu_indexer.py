@@ -5,6 +5,9 @@ its block_s queries and one block of keys, so VMEM use does not depend on T (the
 keys of a batch in one block, which TPU VMEM cannot at T = 200K). On TPU, block_t is rounded up to a
 multiple of 128 (the lane width) and block_s to a multiple of 8 (the sublane count).
 
+Indexer scores with bins (for `binned_topk`): the grid's key axis is split in two, (bin block j, slice i), so
+that the b tiles of one block of strided bins are consecutive steps and their maxima stay in VMEM.
+
 Causality: each query block's last position is scalar-prefetched into SMEM; key blocks past it are filled
 without a matmul, and their key index_map is clamped to the last visible block, so no DMA fetches them (the
 declared costs count the visible tiles, `dsa_cost.causal_tiles`, as the Triton kernels' do).
@@ -66,9 +69,10 @@ def _tpu_params(*semantics):
 
 def _scores_kernel(last_ref, q_ref, k_ref, w_ref, pos_ref, q_seg_ref, k_seg_ref, out_ref, *bin_refs, scale,
                    num_keys, bin_blocks):
-    """One [block_s, block_t] tile of scores. With bins (bin_refs = order_ref, first_ref): the tile is key block
-    t = j + i * bin_blocks of grid step (j, i), and it is folded into bin block j's running maxima, which stay in
-    VMEM over the consecutive steps i (`binned_topk.merge_bin_slice`)."""
+    """One [block_s, block_t] tile of scores. With bins (bin_refs: the two bins-major outputs, then their two VMEM
+    accumulators): the tile is key block t = j + i * bin_blocks of grid step (j, i), folded into bin block j's
+    running maxima (`binned_topk.merge_bin_slice`), which stay in VMEM over the consecutive steps i and are
+    written, transposed, after the last."""
     block_t = out_ref.shape[-1]
     if bin_refs:
         first_key = (pl.program_id(2) + pl.program_id(3) * bin_blocks) * block_t

@@ -1,7 +1,6 @@
 """The lightning indexer's top-k in jnp over blocks of queries (the model's path when it runs no kernel): the
 reference's scores (`reference.indexer_scores_reference`, at the backend's default matmul precision) and its
-top-k rule (`reference.topk_with_scores`, ranked through bins where that pays: `binned_topk`, equal bit for bit),
-with at most one [B, chunk, T] score block alive at a time.
+top-k rule (`reference.topk_with_scores`), with at most one [B, chunk, T] score block alive at a time.
 
 I[s, t] = sum_i w[s, i] * ReLU(q_I[s, i] . k_I[t] * J^-0.5), in fp32, with invisible keys set to a large
 negative value *before* top-k, so a query never ranks a future key or one from another packed segment.
@@ -18,7 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NEG_INF, pad_axis
-from pallas_kernels.binned_topk import binned_topk
 from pallas_kernels.query_chunks import Band, causal_bands, map_query_chunks, num_query_chunks
 from pallas_kernels.reference import indexer_scores_reference, topk_with_scores
 
@@ -65,7 +63,7 @@ def running_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: 
 def _chunk_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block):
     if 0 < key_block < k.shape[1]:
         return running_topk(q, k, weights, q_segment_ids, k_segment_ids, topk, q_offset, key_block)
-    return topk_with_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk, binned_topk)
+    return topk_with_scores(index_scores(q, k, weights, q_segment_ids, k_segment_ids, q_offset), topk)
 
 
 def select_topk(q: jax.Array, k: jax.Array, weights: jax.Array, q_segment_ids: jax.Array,

@@ -53,11 +53,10 @@ def indexer_scores_reference(q_index, k_index, weights, *, q_segment_ids=None, k
     return jnp.where(visible, scores, NEG_INF)
 
 
-def topk_with_scores(scores: jax.Array, topk: int, top_k=lax.top_k) -> tuple[jax.Array, jax.Array]:
+def topk_with_scores(scores: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
     """The top-k rule: (int32 key indices [B, S, min(topk, T)], their scores), slots that landed on invisible
-    (NEG_INF) keys -1. Among equal scores `lax.top_k` takes the lowest key index first. top_k: `lax.top_k` or an
-    implementation equal to it (the model's jnp path passes `binned_topk.binned_topk`)."""
-    values, indices = top_k(scores, min(topk, scores.shape[-1]))
+    (NEG_INF) keys -1. Among equal scores `lax.top_k` takes the lowest key index first."""
+    values, indices = lax.top_k(scores, min(topk, scores.shape[-1]))
     return jnp.where(values > NEG_INF / 2, indices, -1).astype(jnp.int32), values
 
 

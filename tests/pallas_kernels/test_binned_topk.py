@@ -5,7 +5,6 @@ through `indexer_topk`'s values and gradients."""
 import re
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ from jax import lax
 
 from pallas_kernels import NEG_INF, indexer_topk
 from pallas_kernels.binned_topk import bin_maxima, bin_width, binned_topk, topk_bin_size, topk_from_bins
-from pallas_kernels.chunked_topk import select_topk_with_scores
 from pallas_kernels.reference import indexer_scores_reference, indexer_topk_reference
 from pallas_kernels.tpu_indexer import tpu_indexer_scores
 
@@ -130,32 +128,6 @@ def test_tpu_topk_from_on_chip_bins_selects_and_differentiates_like_the_referenc
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(np.abs(np.asarray(r)).max()))
         assert np.abs(np.asarray(r)).max() > 0
-
-
-def test_the_models_jnp_top_k_ranks_through_bins():
-    """select_topk_with_scores (the model's path without kernels): lax.top_k's selection over the reference scores,
-    and no lax.top_k over a whole 968- or 1000-key row (each band's are binned: 8 slices x the top 16 of 128 bins)."""
-    q, k, w = _index_inputs(3)
-    segments = jnp.ones((1, Q_LEN), jnp.int32), jnp.ones((1, NUM_KEYS), jnp.int32)
-
-    def select(q, k, w):
-        return select_topk_with_scores(q, k, w, *segments, TOPK, q_offset=Q_OFFSET, query_chunk=32)
-
-    lengths = []
-
-    def visit(jaxpr):  # every lax.top_k's row length, inside lax.map's bodies too
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "top_k":
-                lengths.append(eqn.invars[0].aval.shape[-1])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                visit(sub)
-
-    visit(jax.make_jaxpr(select)(q, k, w).jaxpr)
-    assert lengths and max(lengths) <= 8 * TOPK, lengths
-    indices, values = jax.jit(select)(q, k, w)
-    want_values, want_indices = lax.top_k(indexer_scores_reference(q, k, w, q_offset=Q_OFFSET), TOPK)
-    np.testing.assert_array_equal(indices, np.where(want_values > NEG_INF / 2, want_indices, -1))
-    np.testing.assert_array_equal(values, want_values)
 
 
 @pytest.mark.slow

@@ -26,7 +26,11 @@ BASE_FLAGS = ("--xla_backend_optimization_level=0",)
 # emitters; and one LLVM module per program: XLA:CPU otherwise splits each program's module into parts to
 # compile them in parallel, and the split itself (llvm::SplitModule) took ~9% of the CPU samples of the tiny
 # step's compile (perf), on cores that the two xdist workers keep busy anyway.
-OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+# ptxas without optimisations for the GPU compile tier (the CUDA plugin's AOT compiles; XLA:CPU ignores it): the
+# tests check what compiles, what kernels it holds and their shared memory, not the machine code's speed; 10% of
+# the CPU of a whole h200-16 step's compile.
+OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
+                  "--xla_gpu_disable_gpuasm_optimizations=true")
 
 # Python's cyclic collector walks the whole heap (jax, torch and transformers are imported by then) in every
 # full collection, and tracing makes objects far faster than the default thresholds (700, 10, 10) expect: the
@@ -73,6 +77,11 @@ def configure_test_environment() -> None:
         if _flag_name(flag) not in present and (flag in BASE_FLAGS or _supported(flag, cache_dir)):
             flags.append(flag)
     os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def cpu_code_flags() -> str:
+    """XLA_FLAGS less the flags only a GPU compile reads: the flags XLA:CPU's bits can depend on."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_gpu_"))
 
 
 def prune_compile_cache(cache_dir: Path, max_bytes: int = CACHE_MAX_BYTES) -> list[Path]:

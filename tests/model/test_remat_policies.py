@@ -59,19 +59,26 @@ def _gradient_kernels(policy: str, **overrides) -> collections.Counter:
     return _kernel_calls(jaxpr)
 
 
-@pytest.mark.parametrize("policy", SAME_VALUE_POLICIES)
-@pytest.mark.slow
-def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy):
-    """The kernels run (interpreted on CPU) under `full` and the policy: loss and every gradient equal."""
+def _value_and_grad(policy: str):
+    """Loss and gradients under `policy`, the kernels run (interpreted on CPU)."""
     params = init(CONFIG, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, SEQ), 0, CONFIG.vocab_size)
+    config = dataclasses.replace(CONFIG, remat_policy=policy)
+    return jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))(params, tokens)
 
-    def value_and_grad(name):
-        config = dataclasses.replace(CONFIG, remat_policy=name)
-        return jax.jit(jax.value_and_grad(functools.partial(_loss, config=config)))(params, tokens)
 
-    ref_value, ref_grads = value_and_grad("full")
-    value, grads = value_and_grad(policy)
+@pytest.fixture(scope="module")
+def under_full():
+    """`full`'s loss and gradients, the reference of every policy below (traced and run once)."""
+    return _value_and_grad("full")
+
+
+@pytest.mark.parametrize("policy", SAME_VALUE_POLICIES)
+@pytest.mark.slow
+def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy, under_full):
+    """The kernels run (interpreted on CPU) under `full` and the policy: loss and every gradient equal."""
+    ref_value, ref_grads = under_full
+    value, grads = _value_and_grad(policy)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))

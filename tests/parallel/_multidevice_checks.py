@@ -465,6 +465,10 @@ def check_wide_expert_parallel_step(wide_config, train, tx, params, batch, singl
 # The training step `glm5 train` runs: per-device work shrinks with the mesh, memory as planned
 # ---------------------------------------------------------------------------------------------
 
+# One dense and one MoE layer, one MTP step: every kind of layer the shares are about, in less compile time.
+SCALING_DEPTHS = ["model.num_hidden_layers=2", "model.mtp_num_steps=1"]
+
+
 def compiled_step(overrides: list[str], devices: int):
     """Per-device matmul FLOPs (every loop trip counted, as `hlo_stats` does: XLA's cost analysis counts a
     loop body once, hiding the experts' blocked loop) and XLA's memory of the exact step `glm5 train` builds
@@ -475,7 +479,7 @@ def compiled_step(overrides: list[str], devices: int):
     from glm5_jax.parallel.plan import PlanSettings, plan
 
     cfg = load_experiment(REPO / "configs" / "tiny.yaml", ["train.batch_size=16", "train.seq_len=128",
-                                                           "optim.name=adamw", *overrides])
+                                                           "optim.name=adamw", *SCALING_DEPTHS, *overrides])
     cfg = dataclasses.replace(cfg, mesh=cfg.mesh.resolve(devices))
     jitted, state, batch, _ = abstract_train_step(cfg, jax.devices()[:devices])
     compiled = jitted.trace(state, batch).lower().compile()

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from glm5_jax.model.transformer import init
 from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.tensorboard import read_scalars
 from fixtures.run_before_issue28.make_fixture import leaf_digests, this_cpu
+from xla_env import cpu_code_flags
 
 MODEL = dict(vocab_size=288, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
              num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -77,7 +77,7 @@ def test_a_run_written_before_the_refactor_resumes_bit_exactly(tmp_path, monkeyp
     checkpoint format, the data position, and that the step's arithmetic is unchanged."""
     spec = json.loads((FIXTURE / "experiment.json").read_text())
     expected = json.loads((FIXTURE / "expected.json").read_text())
-    assert os.environ.get("XLA_FLAGS", "") == expected["xla_flags"], (
+    assert cpu_code_flags() == expected["xla_flags"], (
         "the suite's XLA flags changed since the fixture was made, and bits depend on them: rerun make_fixture.py")
     shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
     monkeypatch.chdir(tmp_path)  # the experiment's paths are relative

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
 import jax
@@ -67,8 +68,11 @@ def main(argv=None) -> int:
                 "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
                 "loss_mask": np.ones(shape, np.int32)} for _ in range(args.steps)]
     try:
+        start = time.perf_counter()
         accelerator = run_steps(on_accelerator, jax.devices(platform)[0], batches, args.steps)
+        middle = time.perf_counter()
         reference = run_steps(on_cpu, jax.devices("cpu")[0], batches, args.steps)
+        seconds = {"accelerator_s": round(middle - start, 1), "cpu_s": round(time.perf_counter() - middle, 1)}
     except Exception as err:  # noqa: BLE001 - reported as a result line, the check script goes on
         emit("tiny_losses", {"error": f"{type(err).__name__}: {err}"[:2000], "platform": platform}, args.out)
         return 1
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
         emit("tiny_losses", {"step": step, "platform": platform, "loss": got, "cpu_loss": want,
               "relative_difference": abs(got - want) / abs(want), "close": close}, args.out)
     emit("tiny_losses", {"summary": True, "platform": platform, "attention_backend": on_accelerator.attention_backend,
-          "steps": args.steps, "rtol": args.rtol, "ok": ok}, args.out)
+          "steps": args.steps, "rtol": args.rtol, "ok": ok, **seconds}, args.out)
     return 0 if ok else 1
 
 

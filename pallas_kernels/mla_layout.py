@@ -106,16 +106,22 @@ def gather_kernel_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
         layout.block_n, lambda block, stages: (layout.heads_padded + stages * block) * width * itemsize)
 
 
+# Below 64 gathered rows per step, Triton keeps the sparse MLA backward's resident queries and d_out twice in
+# shared memory (compiled for sm_90: 296,960 / 315,392 / 212,992 bytes at blocks 16 / 32 / 64 for GLM-5 bf16).
+FULL_BACKWARD_BLOCK = 64
+
+
 def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
     """(slots per step, column parts of C) of the Triton backward on the target GPU: the largest block not
-    above layout.block_n, computed in the fewest column parts, that fits.
+    above layout.block_n, computed in the fewest column parts, that fits; a block below 64 that does not fit
+    is raised to 64 first (the backward pads the indices to its own block), where the tiles are held once.
 
-    Shared memory: queries Hp x (Cp+Rp) and d_out Hp x Cp stay for the whole loop, plus the larger of the
-    block's gathered rows block x (Cp+Rp) and (after them) the d logits Hp x block with one fp32
-    block x Cp/parts row-gradient part, which Triton converts between layouts in shared memory. GLM-5
-    bf16, block 64: 136 KiB + 128 KiB at one part (272 KiB: over Hopper's 227 KiB), 136 + 72 KiB at two.
-    When nothing fits (fp32 at GLM-5: the resident tiles alone are 272 KiB), the smallest block and most
-    parts: the compiler then reports how much the kernel asks for.
+    Shared memory: queries Hp x (Cp+Rp) and d_out Hp x Cp stay for the whole loop (twice below a block of 64),
+    plus the larger of the block's gathered rows block x (Cp+Rp) and (after them) the d logits Hp x block with
+    one fp32 block x Cp/parts row-gradient part, which Triton converts between layouts in shared memory.
+    GLM-5 bf16, block 64: 136 KiB + 72 KiB at two parts. When nothing fits (fp32 at GLM-5: the resident tiles
+    alone are 272 KiB), the smallest block and most parts: the compiler then reports how much the kernel asks
+    for.
     """
     c_dim, heads = layout.latent_padded, layout.heads_padded
     width = c_dim + layout.rope_padded
@@ -123,13 +129,20 @@ def backward_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
     most_parts = max(1, c_dim // MIN_BLOCK)
 
     def footprint(block: int, parts: int) -> int:
-        return resident + max(block * width * itemsize, heads * block * itemsize + block * c_dim // parts * 4)
+        held = resident * (2 if block < FULL_BACKWARD_BLOCK else 1)
+        return held + max(block * width * itemsize, heads * block * itemsize + block * c_dim // parts * 4)
 
-    block = layout.block_n
-    while True:
+    def fewest_parts(block: int) -> int:
         parts = 1
         while parts < most_parts and not fits(footprint(block, parts)):
             parts *= 2
+        return parts
+
+    block = layout.block_n
+    if block < FULL_BACKWARD_BLOCK and not fits(footprint(block, fewest_parts(block))):
+        block = FULL_BACKWARD_BLOCK
+    while True:
+        parts = fewest_parts(block)
         if fits(footprint(block, parts)) or block == MIN_BLOCK:
             return block, parts
         block //= 2

@@ -35,6 +35,7 @@ from pallas_kernels._common import (
     pad_axis,
     resolve_interpret,
     resolve_platform,
+    round_up,
     triton_params,
 )
 from pallas_kernels.dsa_cost import (
@@ -262,8 +263,10 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, re
                                                 layout=layout, interpret=interpret, visited_row_blocks=visited)
         return (dq_c, dq_r), (dk_c, dk_r)
 
+    # The backward's block can exceed the forward's (`backward_plan`): pad the slots to a multiple of it.
+    slots = pad_axis(indices.astype(jnp.int32), 2, round_up(layout.num_slots, block_n), value=-1)
     (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
-        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), pad_indices(indices, layout), do_c,
+        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), slots, do_c,
         pad_axis(lse, 2, layout.heads_padded), pad_axis(backward_shift(out, d_out, d_lse), 2, layout.heads_padded),
         chunk=bwd_query_chunk)
     heads, c_dim, r_dim = layout.heads, layout.latent_dim, layout.rope_dim

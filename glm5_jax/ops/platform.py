@@ -26,11 +26,18 @@ def uses_tpu_kernels(config: ModelConfig) -> bool:
 
 def compiled_platform(platform: str | None = None) -> str:
     """`platform` if given; else that of the mesh being traced under (inside `shard_map` it names the devices
-    compiled for, such as a TPU pod described on a CPU host), else the default backend."""
+    compiled for, such as a TPU pod described on a CPU host); else that of `jax.default_device` when one is set
+    (the host CPU of a GPU machine runs the CPU paths; seen on an H200, where the default backend's Triton
+    kernel was lowered for the CPU); else the default backend."""
     if platform is not None:
         return platform
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
+    if device is not None:
+        return device.platform
+    default = jax.config.jax_default_device  # a Device, a platform name, or None
+    if default is not None:
+        return default if isinstance(default, str) else default.platform
+    return jax.default_backend()
 
 
 def kernels_for_devices(config: ModelConfig, devices: Sequence[jax.Device]) -> ModelConfig:

@@ -1,6 +1,7 @@
 """The DSA kernels are built for the devices a trainer runs or compiles on: `pallas_platform: auto` takes the
 devices' platform (a TPU pod described on this CPU host gets Mosaic kernels, not the host's Triton default), a
-platform naming the other kind of accelerator is refused by name, and CPU devices keep what was configured."""
+platform naming the other kind of accelerator is refused by name, and CPU devices keep what was configured.
+The grouped matmul follows the platform computed on: under `jax.default_device(cpu)` on a GPU host, the CPU's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import pytest
 
 from glm5_jax.config import ConfigError
-from glm5_jax.ops.platform import kernels_for_devices
+from glm5_jax.ops.platform import compiled_platform, kernels_for_devices
 from pallas_model import small_pallas_model
 
 
@@ -40,3 +41,15 @@ def test_cpu_devices_and_other_backends_keep_the_config():
         assert kernels_for_devices(config, jax.devices("cpu")) is config
     sparse = dataclasses.replace(small_pallas_model("tpu"), attention_backend="sparse")
     assert kernels_for_devices(sparse, _devices("gpu", "NVIDIA H200")) is sparse
+
+
+def test_the_default_device_sets_the_platform_on_an_accelerator_host(monkeypatch):
+    """On an H200 the tiny-model check ran its CPU reference under `jax.default_device(cpu)`, and the grouped
+    matmul took the default backend's Triton kernel ("Only interpret mode is supported on CPU backend")."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert compiled_platform() == "gpu"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert compiled_platform() == "cpu"
+    with jax.default_device("cpu"):
+        assert compiled_platform() == "cpu"
+    assert compiled_platform("tpu") == "tpu"

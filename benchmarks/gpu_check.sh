@@ -26,13 +26,15 @@ run_step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/# gpu: /'
 
 # The caps below add up to 460 s, so the whole check ends within 8 minutes whatever hangs. Measured on an H200
-# (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the tiny-model check ~130 s of
-# a 2-core CPU's worth of init and compiles, the 1B step 43 s of compile and 5 steps.
+# (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the 1B step 43 s of compile and
+# 5 steps; the tiny-model check ran past 60 s there (it takes 130 s on a 2-core CPU with both sides on the CPU).
 # Kernels: every entry point against its jnp reference at GLM-5 head shapes (H 64, C 512, R 64, bf16; sparse
 # MLA forward and backward, indexer scores with gradients and top-k, both KL targets), then forward /
-# forward+backward time and TFLOP/s against dense attention at S = 8K..64K (N = 2048). No measurement starts
-# after 140 s.
-run_step 190 pallas_kernels python3 benchmarks/gpu_kernels.py --block-ns 64 --budget-s 140 --out "$OUT_FILE"
+# forward+backward time and TFLOP/s against cuDNN's flash attention (MLA's expanded form, 64 heads of 256) at
+# S = 8K..64K (N = 2048); XLA's dense latent attention (`--paths ...,dense_xla`) was timed on 2026-12-04. No
+# measurement starts after 140 s.
+run_step 190 pallas_kernels python3 benchmarks/gpu_kernels.py --block-ns 64 --paths pallas_sparse,dense_flash,indexer_topk \
+    --budget-s 140 --out "$OUT_FILE"
 
 # The tiny model's training steps (configs/tiny.yaml, bf16, Pallas DSA and grouped-matmul kernels) against the
 # same steps on the host CPU: losses equal within bf16 tolerance at every step ("ok" in its summary line).

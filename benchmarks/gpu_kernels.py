@@ -5,8 +5,9 @@
    errors, indexer scores and their q / k / weights gradients, indexer top-k equality on exact (dyadic)
    scores and against the top-k of the kernel's own scores (`indexer_topk_checks`), KL-target errors;
 2. scaling at S = T in --seqs with N = --topk selected rows: forward and forward+backward time of the Pallas
-   sparse attention and of dense causal latent attention over all keys (XLA, query-chunked and
-   rematerialised so it fits), plus the indexer top-k forward; each with achieved TFLOP/s.
+   sparse attention, of cuDNN's causal flash attention in MLA's expanded form (64 heads of 256: the dense
+   baseline a GPU trainer would use) and of dense causal latent attention over all keys (XLA, query-chunked
+   and rematerialised so it fits), plus the indexer top-k forward; each with achieved TFLOP/s.
 
 TFLOP/s counts useful matmul FLOPs per attended (query, key, head) triple (`attention_flops`): forward
 2(C+R) + 2C, backward 6(C+R) + 4C; sparse attends the valid selected slots, dense the S(S+1)/2 causal
@@ -65,7 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-ns", default="64,32", help="block_n values to check; the first that passes is timed")
     parser.add_argument("--check-seq", type=int, default=1024)
     parser.add_argument("--dense-chunk", type=int, default=256, help="queries per step of the dense baseline")
-    parser.add_argument("--paths", default="pallas_sparse,dense_xla,indexer_topk", help="scaling paths to time")
+    parser.add_argument("--paths", default="pallas_sparse,dense_flash,indexer_topk,dense_xla",
+                        help="scaling paths to time (dense_flash: cuDNN flash attention, expanded form)")
+    parser.add_argument("--flash-head-dim", type=int, default=256, help="dense_flash's query-key and value head dim")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU smoke run)")
@@ -152,6 +155,17 @@ def dense_causal_attention(q, latent, *, scale, kv_lora_rank, chunk):
     chunks = q.reshape(batch, q_len // chunk, chunk, heads, width).swapaxes(0, 1)
     out = lax.map(one_chunk, (chunks, jnp.arange(q_len // chunk) * chunk))
     return out.swapaxes(0, 1).reshape(batch, q_len, heads, kv_lora_rank)
+
+
+def flash_implementation() -> str | None:
+    """cuDNN's fused flash attention on a GPU; elsewhere (the CPU smoke run) XLA's."""
+    return "cudnn" if jax.default_backend() == "gpu" else None
+
+
+def flash_attention(q, kv, *, implementation):
+    """Causal attention in MLA's expanded form (per-head keys and values of --flash-head-dim: GLM-5's 192 + 64
+    query-key and 256 value dims), the dense baseline a GPU trainer would run; kv stacks keys and values."""
+    return jax.nn.dot_product_attention(q, kv[0], kv[1], is_causal=True, implementation=implementation)
 
 
 def sum_of_squares_grad(fn):
@@ -275,29 +289,37 @@ def measure_scaling(args, rec: Recorder, block_n: int) -> None:
         indices = strided_causal_indices(q_len, topk)
         sparse_triples = heads * float(jnp.sum(indices >= 0))
         dense_triples = heads * q_len * (q_len + 1) / 2
+        absorbed = (q, latent), (c_dim, r_dim)
         paths = {
             "pallas_sparse": (lambda a, b: sparse_mla_attention(a, b, indices, scale=scale, kv_lora_rank=c_dim,
                                                                 block_n=block_n, interpret=args.interpret)[0],
-                              sparse_triples),
+                              sparse_triples, *absorbed),
             "dense_xla": (functools.partial(dense_causal_attention, scale=scale, kv_lora_rank=c_dim,
-                                            chunk=min(args.dense_chunk, q_len)), dense_triples),
+                                            chunk=min(args.dense_chunk, q_len)), dense_triples, *absorbed),
         }
+        if "dense_flash" in args.paths.split(","):
+            width = args.flash_head_dim
+            q_e = jax.random.normal(keys[2], (1, q_len, heads, width), jnp.bfloat16)
+            kv_e = jax.random.normal(keys[3], (2, 1, q_len, heads, width), jnp.bfloat16)
+            paths["dense_flash"] = (functools.partial(flash_attention, implementation=flash_implementation()),
+                                    dense_triples, (q_e, kv_e), (width, 0))
         wanted = args.paths.split(",")
-        for name, (fn, triples) in paths.items():
-            if name not in wanted:
-                continue
+        for name in (path for path in wanted if path in paths):  # in the order asked for: the budget may run out
+            fn, triples, inputs, (value_dim, extra_key_dim) = paths[name]
             if time.perf_counter() - START > args.budget_s:
                 rec.emit(check="scaling", path=name, seq=q_len, skipped="time budget spent")
                 continue
 
             with rec.guard("scaling", path=name, seq=q_len):
-                flops_fwd, flops_all = attention_flops(triples, c_dim, r_dim)
-                forward = jax.jit(fn).lower(q, latent).compile()
-                fwd_ms = timed_ms(forward, q, latent, repeats=args.repeats)
-                backward = sum_of_squares_grad(fn).lower(q, latent).compile()
-                all_ms = timed_ms(backward, q, latent, repeats=args.repeats)
+                flops_fwd, flops_all = attention_flops(triples, value_dim, extra_key_dim)
+                forward = jax.jit(fn).lower(*inputs).compile()
+                fwd_ms = timed_ms(forward, *inputs, repeats=args.repeats)
+                backward = sum_of_squares_grad(fn).lower(*inputs).compile()
+                all_ms = timed_ms(backward, *inputs, repeats=args.repeats)
                 memory = backward.memory_analysis()
                 tile = {"block_n": block_n} if name == "pallas_sparse" else {}
+                if name == "dense_flash":
+                    tile = {"head_dim": value_dim, "implementation": flash_implementation() or "xla"}
                 rec.emit(check="scaling", path=name, seq=q_len, topk=topk, heads=heads, **tile,
                          forward_ms=round(fwd_ms, 3), forward_tflops=round(flops_fwd / fwd_ms / 1e9, 2),
                          fwd_bwd_ms=round(all_ms, 3), fwd_bwd_tflops=round(flops_all / all_ms / 1e9, 2),

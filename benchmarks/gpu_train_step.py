@@ -9,6 +9,7 @@ MFU = analytic training FLOPs/token (`glm5_jax.model.flops`) x tokens/s / `--pea
 bf16: 989). One JSON line per result on stdout and appended to --out; failures become error lines.
 
   PYTHONPATH=. python benchmarks/gpu_train_step.py --out "$OUT/gpu_check.jsonl"
+  PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas,sparse   # kernels vs jnp DSA
   PYTHONPATH=. python benchmarks/gpu_train_step.py --smoke          # tiny shapes, any backend (CPU check)
 """
 
@@ -48,6 +49,9 @@ SMOKE = dataclasses.replace(
     index_head_dim=16, index_topk=16, attention_backend="sparse")
 
 
+BACKENDS = ("pallas", "sparse", "dense")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="append JSON lines here too")
@@ -55,12 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--mtp-steps", type=int, default=1)
-    parser.add_argument("--attention-backend", default=None, choices=("sparse", "pallas", "dense"))
+    parser.add_argument("--attention-backend", default=None,
+                        help="sparse, pallas or dense; a comma-separated list times each in turn (same weights)")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots", "dots_no_batch"))
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip")
     parser.add_argument("--budget-s", type=float, default=45.0, help="stop timing steps after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seq 64) to check the script on CPU")
     args = parser.parse_args(argv)
+    for backend in (args.attention_backend or "").split(","):
+        if backend and backend not in BACKENDS:
+            parser.error(f"--attention-backend={backend!r} is invalid: choose from {', '.join(BACKENDS)}")
     for field in ("batch", "seq", "steps"):
         if getattr(args, field) < 1:
             parser.error(f"--{field}={getattr(args, field)} is invalid: must be >= 1")
@@ -69,23 +77,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_config(args: argparse.Namespace) -> ModelConfig:
+def build_config(args: argparse.Namespace, backend: str | None) -> ModelConfig:
     base = SMOKE if args.smoke else GLM5_1B
     changes = {"mtp_num_steps": args.mtp_steps, "num_nextn_predict_layers": int(args.mtp_steps > 0),
                "remat_policy": args.remat}
-    if args.attention_backend:
-        changes["attention_backend"] = args.attention_backend
+    if backend:
+        changes["attention_backend"] = backend
     elif not args.smoke and jax.default_backend() != "gpu":
         changes["attention_backend"] = "sparse"  # Pallas kernels only compile for GPU
     return dataclasses.replace(base, **changes).validate()
 
 
-def run(args: argparse.Namespace) -> None:
-    config = build_config(args)
+def run(args: argparse.Namespace, backend: str | None, params=None):
+    """Times one attention backend's step; returns the initial weights for the next backend to reuse."""
+    config = build_config(args, backend)
     batch, seq = args.batch, (64 if args.smoke else args.seq)
     counts = count_params(config)
     optim = OptimConfig(name="adamw", lr=1e-4, warmup_steps=0, schedule="constant")
-    params = init(config, jax.random.key(0))
+    params = init(config, jax.random.key(0)) if params is None else params
+    untouched = jax.tree.map(jnp.copy, params)  # the step donates its state
     optimizer = make_optimizer(optim, params, config=config)
     step = make_train_step(config, TrainConfig(batch_size=batch, seq_len=seq), optimizer)
     state = init_train_state(params, optimizer)
@@ -125,15 +135,21 @@ def run(args: argparse.Namespace) -> None:
         "first_loss": round(first_loss, 4), "last_loss": round(float(metrics["loss"]), 4),
         "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),
     }, args.out)
+    return untouched
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        run(args)
-    except Exception as exc:  # an OOM or compile failure is a result to report, not a crash of the check
-        emit("train_step", {"error": f"{type(exc).__name__}: {exc}"[:2000],
-                            "traceback": traceback.format_exc()[-3000:]}, args.out)
+    params, failed = None, False
+    for backend in (args.attention_backend or "").split(",") or [None]:
+        try:
+            params = run(args, backend or None, params)
+        except Exception as exc:  # an OOM or compile failure is a result to report, not a crash of the check
+            emit("train_step", {"attention_backend": backend or "default",
+                                "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                "traceback": traceback.format_exc()[-3000:]}, args.out)
+            failed = True
+    if failed:
         raise SystemExit(1)
 
 

@@ -20,9 +20,18 @@ NEG_INF = -1e30
 MIN_BLOCK = 16
 
 
+def default_platform() -> str:
+    """The platform computations go to when nothing places them: `jax.default_device`'s when one is set (the
+    host CPU of a GPU machine under `jax.default_device(cpu)`), else the default backend."""
+    device = jax.config.jax_default_device  # a Device, a platform name, or None
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """None means: interpret on CPU (the only way Pallas runs there), compile elsewhere."""
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    return default_platform() == "cpu" if interpret is None else bool(interpret)
 
 
 PLATFORMS = ("gpu", "tpu")
@@ -31,7 +40,7 @@ PLATFORMS = ("gpu", "tpu")
 def resolve_platform(platform: str | None) -> str:
     """Which kernels to build: "gpu" (Triton) or "tpu" (Mosaic); None = "tpu" on a TPU backend, else "gpu"."""
     if platform is None:
-        return "tpu" if jax.default_backend() == "tpu" else "gpu"
+        return "tpu" if default_platform() == "tpu" else "gpu"
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS} or None; got {platform!r}")
     return platform

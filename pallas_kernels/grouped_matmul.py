@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import default_platform
 from pallas_kernels.gpu_grouped_matmul import gpu_grouped_matmul
 from pallas_kernels.tpu_grouped_matmul import Tiling, tpu_grouped_matmul
 
@@ -36,7 +37,7 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 
 def resolve_grouped_platform(platform: str | None) -> str:
     """None means the default backend; "cuda" / "rocm" name the GPU one."""
-    platform = jax.default_backend() if platform is None else platform
+    platform = default_platform() if platform is None else platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     if platform not in GROUPED_MATMUL_PLATFORMS:
         raise ValueError(f"platform must be one of {GROUPED_MATMUL_PLATFORMS} or None; got {platform!r}")

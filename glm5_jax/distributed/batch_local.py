@@ -25,14 +25,15 @@ def active_mesh(mesh):
     return None if abstract.empty else abstract
 
 
-def mesh_platform(mesh) -> str:
+def mesh_platform(mesh) -> str | None:
     """The platform the program is compiled for: the mesh's devices' (a TPU pod described by libtpu on a CPU
-    host is "tpu"), else the default backend."""
+    host is "tpu"); None without a mesh (`glm5_jax.ops.platform.compiled_platform` then decides: the default
+    device's platform or the default backend)."""
     mesh = active_mesh(mesh)
     devices = getattr(mesh, "devices", None)
     if devices is not None and getattr(devices, "size", 0):
         return devices.flat[0].platform
-    return jax.default_backend()
+    return None
 
 
 def batch_split_axes(mesh, leading_dim: int, candidates: tuple[str, ...] = BATCH_AXES) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
+from glm5_jax.ops.platform import compiled_platform
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
@@ -238,7 +239,7 @@ def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array
     the planner traces (the buffers of `layout` are kept whatever its number of shards)."""
     single = dataclasses.replace(layout, n_experts=layout.local_experts, expert_shards=1)
     return _dispatch_compute_combine(experts, x, expert_ids % single.n_experts, weights, single, None,
-                                     platform or jax.default_backend())
+                                     compiled_platform(platform))
 
 
 def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, config,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 
 from glm5_jax.config import ConfigError, ModelConfig
-from pallas_kernels._common import resolve_platform
+from pallas_kernels._common import default_platform, resolve_platform
 
 KERNEL_ATTENTION_BACKEND = "pallas"
 
@@ -34,10 +34,7 @@ def compiled_platform(platform: str | None = None) -> str:
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if device is not None:
         return device.platform
-    default = jax.config.jax_default_device  # a Device, a platform name, or None
-    if default is not None:
-        return default if isinstance(default, str) else default.platform
-    return jax.default_backend()
+    return default_platform()
 
 
 def kernels_for_devices(config: ModelConfig, devices: Sequence[jax.Device]) -> ModelConfig:

@@ -9,10 +9,15 @@ import dataclasses
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from glm5_jax.config import ConfigError
+from glm5_jax.distributed.batch_local import mesh_platform
+from glm5_jax.model.experts import experts_ragged, experts_reference
 from glm5_jax.ops.platform import compiled_platform, kernels_for_devices
+from pallas_kernels._common import resolve_interpret
 from pallas_model import small_pallas_model
 
 
@@ -44,12 +49,20 @@ def test_cpu_devices_and_other_backends_keep_the_config():
 
 
 def test_the_default_device_sets_the_platform_on_an_accelerator_host(monkeypatch):
-    """On an H200 the tiny-model check ran its CPU reference under `jax.default_device(cpu)`, and the grouped
-    matmul took the default backend's Triton kernel ("Only interpret mode is supported on CPU backend")."""
+    """On an H200 the tiny-model check ran its CPU reference under `jax.default_device(cpu)`, and the MoE's
+    grouped matmul took the default backend's Triton kernel ("Only interpret mode is supported on CPU backend").
+    The same chain as `MoE.__call__` without a mesh: `mesh_platform(None)`, then `experts_ragged`."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert compiled_platform() == "gpu"
-    with jax.default_device(jax.devices("cpu")[0]):
-        assert compiled_platform() == "cpu"
+    assert compiled_platform() == "gpu" and resolve_interpret(None) is False
     with jax.default_device("cpu"):
-        assert compiled_platform() == "cpu"
+        assert compiled_platform() == "cpu" and resolve_interpret(None) is True
     assert compiled_platform("tpu") == "tpu"
+    keys = jax.random.split(jax.random.key(0), 5)
+    experts = {name: jax.random.normal(key, shape) for name, key, shape in
+               (("gate_proj", keys[0], (4, 8, 6)), ("up_proj", keys[1], (4, 8, 6)), ("down_proj", keys[2], (4, 6, 8)))}
+    x = jax.random.normal(keys[3], (5, 8))
+    expert_ids = jax.random.randint(keys[4], (5, 2), 0, 4)
+    weights = jnp.full((5, 2), 0.5)
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jax.jit(lambda *a: experts_ragged(*a, platform=mesh_platform(None)))(experts, x, expert_ids, weights)
+    np.testing.assert_allclose(got, experts_reference(experts, x, expert_ids, weights), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,11 @@
 """Training step of a ~1B-parameter GLM-5-shaped model on one GPU: compile time, tokens/s and MFU.
 
-The config keeps GLM-5's per-head shapes (qk 192 nope + 64 rope, v 256, kv latent 512, indexer heads of
-128 with top-k 2048) and its routing (sigmoid, one shared expert, 8 routed experts per token), scaled to
-hidden 2048, 12 layers (2 dense), 32 experts and a 32K vocabulary, with the shared 1-layer MTP applied
-`--mtp-steps` times. bf16 compute, fp32 parameters, AdamW. Sequences longer than the top-k make DSA prune.
+The model is `configs/glm5_1b_h200.yaml`'s: GLM-5's per-head shapes (qk 192 nope + 64 rope, v 256, kv latent
+512, indexer heads of 128 with top-k 2048) and its routing (sigmoid, one shared expert, 8 routed experts per
+token), scaled to hidden 2048, 12 layers (2 dense), 32 experts and a 32K vocabulary, with the shared 1-layer MTP
+applied `--mtp-steps` times. bf16 compute, fp32 parameters, AdamW. Sequences longer than the top-k make DSA
+prune. `glm5 compile configs/glm5_1b_h200.yaml --topology h200-1` gives the same step's compiled memory and
+roofline without a GPU.
 
 MFU = analytic training FLOPs/token (`glm5_jax.model.flops`) x tokens/s / `--peak-tflops` (H200 dense
 bf16: 989). One JSON line per result on stdout and appended to --out; failures become error lines.
@@ -20,27 +22,21 @@ import dataclasses
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.json_lines import emit
-from glm5_jax.config import ModelConfig, TrainConfig
+from glm5_jax.config import ModelConfig, TrainConfig, load_model_config
 from glm5_jax.model import flops
 from glm5_jax.model.param_count import count_params
 from glm5_jax.model.transformer import init
 from glm5_jax.train.optim import OptimConfig, make_optimizer
 from glm5_jax.train.step import init_train_state, make_train_step
 
-GLM5_1B = ModelConfig(
-    vocab_size=32768, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=384, num_hidden_layers=12,
-    num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
-    v_head_dim=256, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
-    first_k_dense_replace=2, index_n_heads=16, index_head_dim=128, index_topk=2048, num_nextn_predict_layers=1,
-    mtp_num_steps=1, max_position_embeddings=32768, param_dtype="float32", compute_dtype="bfloat16",
-    attention_backend="pallas", moe_backend="ragged",
-)
+GLM5_1B = load_model_config(Path(__file__).resolve().parents[1] / "configs" / "glm5_1b_h200.yaml")
 # Same code path at a size a CPU runs in seconds (checks the script, measures nothing meaningful).
 SMOKE = dataclasses.replace(
     GLM5_1B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,

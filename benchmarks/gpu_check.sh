@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 # The caps below add up to 490 s, so the whole check ends within 8.5 minutes whatever hangs. Measured on an H200
 # (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the 1B step 43 s of compile and
-# 5 steps; the tiny-model check ran past 60 s there (it takes 130 s on a 2-core CPU with both sides on the CPU).
+# 5 steps; the tiny-model check ran past 60 s there (now compiled unoptimised: 70 s with both sides on a 2-core CPU).
 # Kernels: every entry point against its jnp reference at GLM-5 head shapes (H 64, C 512, R 64, bf16; sparse
 # MLA forward and backward, indexer scores with gradients and top-k, both KL targets), then forward /
 # forward+backward time and TFLOP/s against cuDNN's flash attention (MLA's expanded form, 64 heads of 256) at

@@ -51,6 +51,7 @@ from pallas_kernels.reference import (
 )
 
 START = time.perf_counter()
+PATHS = ("pallas_sparse", "dense_flash", "indexer_topk", "dense_xla")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU smoke run)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.paths.split(",")) - set(PATHS))
+    if unknown:
+        parser.error(f"--paths {','.join(unknown)} is invalid: choose from {','.join(PATHS)}")
+    return args
 
 
 class Recorder:

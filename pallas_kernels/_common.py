@@ -38,7 +38,8 @@ PLATFORMS = ("gpu", "tpu")
 
 
 def resolve_platform(platform: str | None) -> str:
-    """Which kernels to build: "gpu" (Triton) or "tpu" (Mosaic); None = "tpu" on a TPU backend, else "gpu"."""
+    """Which kernels to build: "gpu" (Triton) or "tpu" (Mosaic); None = "tpu" when `default_platform` is a TPU,
+    else "gpu"."""
     if platform is None:
         return "tpu" if default_platform() == "tpu" else "gpu"
     if platform not in PLATFORMS:

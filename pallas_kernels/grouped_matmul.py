@@ -36,7 +36,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 
 
 def resolve_grouped_platform(platform: str | None) -> str:
-    """None means the default backend; "cuda" / "rocm" name the GPU one."""
+    """None means `default_platform()` (the default device's, else the default backend); "cuda" / "rocm" name the
+    GPU one."""
     platform = default_platform() if platform is None else platform
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     if platform not in GROUPED_MATMUL_PLATFORMS:

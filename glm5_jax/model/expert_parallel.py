@@ -40,10 +40,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
-from glm5_jax.ops.platform import compiled_platform
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
+from glm5_jax.ops.platform import compiled_platform
 
 EP_TRANSPORTS = ("auto", "padded", "ragged")
 EXPERT_AXIS = "expert"

@@ -6,6 +6,8 @@ I indexer heads, J indexer head dim.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,12 +49,21 @@ def resolve_platform(platform: str | None) -> str:
     return platform
 
 
+# TPU interpret mode simulates what a TPU would do (DMAs, semaphores, SMEM; out-of-bounds reads raise,
+# uninitialised memory reads NaN) through a host callback per operation. Plain interpret mode evaluates the
+# kernel as one XLA program: the same values, ~1000x faster (the sparse MLA forward + backward at S = 64, H = 4:
+# 0.016 s against 17.8 s per call, 2026-12-04). "0" here selects the plain mode: for tests of the whole model,
+# whose kernels the kernel tests check in TPU interpret mode.
+TPU_INTERPRET_CHECKS = "PALLAS_TPU_INTERPRET_CHECKS"
+
+
 def tpu_interpret(interpret: bool):
-    """pallas_call's `interpret` for the Mosaic kernels: TPU interpret mode (DMAs, semaphores, SMEM) on CPU."""
+    """pallas_call's `interpret` for the Mosaic kernels: TPU interpret mode on CPU, or the plain interpret mode
+    where the environment sets PALLAS_TPU_INTERPRET_CHECKS=0 (or JAX has no TPU interpret mode)."""
     if not interpret:
         return False
-    params = getattr(pltpu, "InterpretParams", None)  # absent in older JAX: plain interpret mode
-    return params() if params is not None else True
+    params = getattr(pltpu, "InterpretParams", None)
+    return params() if params is not None and os.environ.get(TPU_INTERPRET_CHECKS, "1") != "0" else True
 
 
 def next_power_of_two(n: int, minimum: int = 1) -> int:

@@ -164,3 +164,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
         yield
     finally:
         jax.config.update("jax_optimization_level", previous)
+
+
+@pytest.fixture
+def plain_tpu_interpret(monkeypatch):
+    """The Mosaic kernels in plain interpret mode (one XLA program) instead of TPU interpret mode (a host callback
+    per operation; ~1000x slower per kernel call): for tests of the whole model, whose kernels the kernel tests
+    check in TPU interpret mode. The environment variable reaches subprocesses too."""
+    from pallas_kernels._common import TPU_INTERPRET_CHECKS
+
+    monkeypatch.setenv(TPU_INTERPRET_CHECKS, "0")

@@ -159,7 +159,8 @@ def gathered_kl_references():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(MODEL_CASES))
-def test_model_sparse_stage_loss_and_gradients_equal_the_gathered_kl(case, monkeypatch, gathered_kl_references):
+def test_model_sparse_stage_loss_and_gradients_equal_the_gathered_kl(case, monkeypatch, gathered_kl_references,
+                                                                     plain_tpu_interpret):
     """The whole model's DSA sparse-stage loss (MTP included) and every gradient (the indexer's through the KL)
     equal those of the gathered KL on the jnp sparse attention: on the jnp top-k (also with an IndexShare
     "shared" layer, whose scores are gathered, and in query blocks under remat) and on the Pallas kernels

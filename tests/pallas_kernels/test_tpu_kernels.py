@@ -238,3 +238,28 @@ def test_row_block_counts_stop_at_each_querys_last_valid_block():
     counts = np.asarray(row_block_counts(jnp.asarray(indices), 10))
     assert counts.shape == (1, 4, 1, 1) and counts.dtype == np.int32
     np.testing.assert_array_equal(counts[0, :, 0, 0], [1, 3, 2, 0])
+
+
+def test_plain_interpret_mode_gives_the_tpu_interpret_modes_values(monkeypatch):
+    """PALLAS_TPU_INTERPRET_CHECKS=0 (the whole-model tests' `plain_tpu_interpret` fixture) runs the Mosaic
+    kernels as one XLA program instead of a host callback per operation: the same forward and gradients."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels._common import TPU_INTERPRET_CHECKS, tpu_interpret
+
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (1, 8, 1, 40))
+    latent = jax.random.normal(keys[1], (1, 8, 40))
+    indices = jax.random.randint(keys[2], (1, 8, 16), -1, 8)
+
+    def run():  # traced anew each call: the mode is read while tracing
+        loss = lambda q, latent: jnp.sum(sparse_mla_attention(q, latent, indices, scale=0.2, kv_lora_rank=32,  # noqa: E731
+                                                              **TPU)[0] ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(q, latent)
+
+    assert isinstance(tpu_interpret(True), pltpu.InterpretParams) and tpu_interpret(False) is False
+    checked = run()
+    monkeypatch.setenv(TPU_INTERPRET_CHECKS, "0")
+    assert tpu_interpret(True) is True
+    for got, want in zip(jax.tree.leaves(run()), jax.tree.leaves(checked)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

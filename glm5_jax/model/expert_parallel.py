@@ -40,6 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from glm5_jax.model.blocked_experts import experts_blocked
 from glm5_jax.model.experts import grouped_swiglu
+from glm5_jax.model.token_permutation import inverse_permutation, permute_rows, repeat_rows
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
@@ -161,10 +162,11 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
         # sum(group_sizes), which the grouped matmul leaves zero: no mask pass over [R, D] either.
         return grouped_swiglu(experts, recv, group_sizes, platform)
     order = jnp.argsort(expert, stable=True)
-    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, platform)
+    inverse = inverse_permutation(order)
+    out_sorted = grouped_swiglu(experts, permute_rows(recv, order, inverse), group_sizes, platform)
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)
-    return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)
+    return permute_rows(out_sorted * mask, inverse, order)
 
 
 def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -200,10 +202,11 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
     ep, local = layout.expert_shards, layout.local_experts
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # sorted row -> assignment
+    inverse = inverse_permutation(order)  # assignment -> sorted row
     counts = jnp.bincount(flat, length=layout.n_experts).astype(jnp.int32).reshape(ep, local)
     sent = counts.sum(1)  # [ep] my rows for each expert rank
     starts = jnp.cumsum(sent) - sent  # where each chunk starts in my sorted buffer
-    send = x[order // top_k]
+    send = repeat_rows(x, order, inverse)
     if exchange is None:
         accepted, _ = receive_plan(sent[None, :], layout.receive_rows)
         recv = jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype).at[:layout.assignments].set(
@@ -225,8 +228,8 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         back = exchange(out, jnp.zeros_like(send), offsets[:, me], accepted[:, me], source_starts, mine)
     rank = jnp.arange(layout.assignments) - starts[flat[order] // local]  # row's place in its chunk
     keep_sorted = rank < mine[flat[order] // local]
-    kept = jnp.zeros((layout.assignments,), bool).at[order].set(keep_sorted, unique_indices=True)
-    combined = jnp.zeros_like(send).at[order].set(back, unique_indices=True)
+    kept = keep_sorted[inverse]
+    combined = permute_rows(back, inverse, order)  # assignment order
     scale = jnp.where(kept, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
     routed = (combined * scale).reshape(t, top_k, -1).sum(1)
     dropped = (layout.assignments - mine.sum()).astype(jnp.int32)

@@ -71,3 +71,8 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
     gathered = [s for s in result_shapes(text, "all-gather") if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered: {gathered}"
     assert stats.collective_counts.get("ragged-all-to-all", 0) >= 2, stats.collective_counts
+    # Tokens are sorted to their experts and back by permutations whose gradients are gathers
+    # (`model/token_permutation.py`): no scatter of activation rows, which XLA:GPU would run as atomic adds in
+    # an order that varies from run to run.
+    row_scatters = [s for s in result_shapes(text, "scatter") if len(s) == 2 and s[-1] == d]
+    assert not row_scatters, f"activation rows scattered: {row_scatters}"

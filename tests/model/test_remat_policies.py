@@ -8,8 +8,10 @@ calls are counted in the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import io
 import inspect
 from pathlib import Path
 
@@ -59,6 +61,40 @@ def _gradient_kernels(policy: str, **overrides) -> collections.Counter:
     return _kernel_calls(jaxpr)
 
 
+def _saved(policy: str) -> list[str]:
+    """The residuals `print_saved_residuals` lists for the gradient under `policy`, traced for TPU."""
+    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy)
+    params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        print_saved_residuals(functools.partial(_loss, config=config), params,
+                              jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
+    return out.getvalue().splitlines()
+
+
+class _Traced:
+    """`_gradient_kernels` and `_saved`, each policy and config traced once for the tests that share this (a
+    trace of the gradient with the TPU kernels takes seconds; `full` is every test's reference)."""
+
+    def __init__(self):
+        self._kernels, self._residuals = {}, {}
+
+    def kernels(self, policy: str, **overrides) -> collections.Counter:
+        key = (policy, tuple(sorted((k, v) for k, v in overrides.items() if getattr(CONFIG, k) != v)))
+        if key not in self._kernels:
+            self._kernels[key] = _gradient_kernels(policy, **dict(key[1]))
+        return collections.Counter(self._kernels[key])
+
+    def residuals(self, policy: str) -> collections.Counter:
+        if policy not in self._residuals:
+            self._residuals[policy] = _saved(policy)
+        return collections.Counter(self._residuals[policy])
+
+
+@pytest.fixture(scope="module")
+def traced() -> _Traced:
+    return _Traced()
+
+
 def _value_and_grad(policy: str):
     """Loss and gradients under `policy`, the kernels run (interpreted on CPU)."""
     params = init(CONFIG, jax.random.key(0))
@@ -89,39 +125,31 @@ def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy, under_fu
     (CONFIG.index_topk, "_forward_kernel", "_backward_kernel"),  # T > N: the sparse MLA kernels
     (SEQ, "_flash_attention_kernel", "_flash_attention_dq_kernel"),  # T <= N: jax's flash attention
 ])
-def test_keep_attention_spares_the_backward_the_forward_kernel(index_topk, forward_kernel, backward_kernel):
+def test_keep_attention_spares_the_backward_the_forward_kernel(index_topk, forward_kernel, backward_kernel, traced):
     """Under `full` the backward re-runs the attention's forward kernel of every rematerialised layer;
     `full_keep_attention` keeps its outputs, so it runs once per layer, as without remat."""
-    none, full, keep = (_gradient_kernels(p, index_topk=index_topk) for p in ("none", "full", "full_keep_attention"))
+    none, full, keep = (traced.kernels(p, index_topk=index_topk) for p in ("none", "full", "full_keep_attention"))
     assert full[forward_kernel] > none[forward_kernel] > 0, (full, none)
     assert keep[forward_kernel] == none[forward_kernel], (keep, none)
     assert keep[backward_kernel] == full[backward_kernel] == none[backward_kernel] > 0
 
 
 @pytest.mark.slow
-def test_on_tpu_the_target_is_written_by_the_forward_kernel():
+def test_on_tpu_the_target_is_written_by_the_forward_kernel(traced):
     """No stand-alone target kernel on TPU: the forward kernel writes the KL target, so keeping it
     (`full_keep_dsa_target`) spares no kernel run against `full` (the backward re-runs the forward kernel for its
     residuals either way)."""
-    full, keep = (_gradient_kernels(p) for p in ("full", "full_keep_dsa_target"))
+    full, keep = (traced.kernels(p) for p in ("full", "full_keep_dsa_target"))
     assert "_target_kernel" not in full and "_target_kernel" not in keep, (full, keep)
     assert full == keep and full["_forward_kernel"] > 0, (full, keep)
 
 
-def _saved(policy: str, capsys) -> list[str]:
-    config = dataclasses.replace(CONFIG, pallas_platform="tpu", remat_policy=policy)
-    params = jax.eval_shape(lambda: init(config, jax.random.key(0)))
-    capsys.readouterr()
-    print_saved_residuals(functools.partial(_loss, config=config), params, jax.ShapeDtypeStruct((1, SEQ), jnp.int32))
-    return capsys.readouterr().out.splitlines()
-
-
-def test_keep_policies_save_what_they_name(capsys):
+def test_keep_policies_save_what_they_name(traced):
     """Residuals the layer stacks keep (stacked over layers by `lax.scan`, [layers, B, S, ...]): the
     `dsa_target` [.., S, N] of each stack's MoE layer under both keep policies; under `full_keep_attention` also
     the forward kernel's output and lse ([.., S, H, C] and [.., S, H, 1], heads and columns padded to the
     kernel's tiles) of every stack (two scanned stacks and the MTP step); nothing more."""
-    full, target, attention = (collections.Counter(_saved(p, capsys)) for p in ("full", *KEEP_POLICIES))
+    full, target, attention = (traced.residuals(p) for p in ("full", *KEEP_POLICIES))
     kept_target = list((target - full).elements())
     assert len(kept_target) == 2 and not full - target, (target - full, full - target)
     assert all(line.startswith(f"f32[1,1,{SEQ},{CONFIG.index_topk}] output of scan") for line in kept_target)
@@ -133,15 +161,15 @@ def test_keep_policies_save_what_they_name(capsys):
     assert sorted(shape[4] >= CONFIG.kv_lora_rank for shape in shapes) == [False] * 3 + [True] * 3, kept_kernel
 
 
-def test_without_topk_scores_keeps_the_selection_only(capsys):
+def test_without_topk_scores_keeps_the_selection_only(traced):
     """`full_without_topk_scores` drops the top-k's fp32 scores [.., S, N] from every stack's residuals (and keeps
     the int32 selection), so the backward's recompute runs the top-k kernel again for them."""
-    full, lean = (collections.Counter(_saved(p, capsys)) for p in ("full", "full_without_topk_scores"))
+    full, lean = (traced.residuals(p) for p in ("full", "full_without_topk_scores"))
     dropped = list((full - lean).elements())
     assert dropped and not lean - full, (full - lean, lean - full)
     assert all(line.startswith(f"f32[1,1,{SEQ},{CONFIG.index_topk}] output of scan") for line in dropped), dropped
     assert any(line.startswith(f"i32[1,1,{SEQ},{CONFIG.index_topk}]") for line in lean), lean
-    full_calls, lean_calls = _gradient_kernels("full"), _gradient_kernels("full_without_topk_scores")
+    full_calls, lean_calls = traced.kernels("full"), traced.kernels("full_without_topk_scores")
     more = {name for name in lean_calls if lean_calls[name] > full_calls[name]}
     assert len(more) == 1 and all(lean_calls[n] == full_calls[n] for n in full_calls if n not in more), (
         full_calls, lean_calls)
@@ -160,10 +188,10 @@ def test_the_kept_kernels_are_the_attention_forward_kernels():
 
 
 @pytest.mark.slow
-def test_flash_every_key_false_keeps_the_sparse_mla_kernels():
+def test_flash_every_key_false_keeps_the_sparse_mla_kernels(traced):
     """`flash_every_key: false` (a config whose memory is short, the v6e recipe) attends over every selected key
     with the sparse MLA kernels, as where T > N; a value that is not a bool is refused by name."""
-    flash, sparse = (_gradient_kernels("none", index_topk=SEQ, flash_every_key=f) for f in (True, False))
+    flash, sparse = (traced.kernels("none", index_topk=SEQ, flash_every_key=f) for f in (True, False))
     assert flash["_flash_attention_kernel"] > 0 and "_forward_kernel" not in flash, flash
     assert sparse["_forward_kernel"] > 0 and "_flash_attention_kernel" not in sparse, sparse
     with pytest.raises(ConfigError, match="flash_every_key='yes' is invalid: must be true or false"):

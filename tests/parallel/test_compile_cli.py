@@ -33,6 +33,10 @@ SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.c
 # KL target: on TPU written by the forward itself, on GPU its own kernel; the dense warm-up's kernels are compiled
 # in tests/ops and tests/pallas_kernels).
 PALLAS_DSA = ["train.mode=dsa_sparse", "model.attention_backend=pallas"]
+# Without the MTP step, whose layer calls the same kernels as the MoE layer before it: v6e-8's kernel-checking
+# compile takes ~20% less CPU (36 -> 29 s); the v5p-8 compile keeps it, and so does h200-16's (without it XLA
+# moves no bytes within a node there, whose link the test needs).
+NO_MTP = "model.mtp_num_steps=0"
 
 
 def record_compiles(monkeypatch) -> list:
@@ -52,11 +56,11 @@ def record_compiles(monkeypatch) -> list:
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, mesh", [
     ("v5p-8", ["mesh.fsdp=4"]),  # the recipes' jnp sparse attention
-    ("v6e-8", ["mesh.fsdp=4", "mesh.data=2", *PALLAS_DSA, "model.pallas_platform=tpu"])])
+    ("v6e-8", ["mesh.fsdp=4", "mesh.data=2", *PALLAS_DSA, "model.pallas_platform=tpu", NO_MTP])])
 def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch):
     compiles = record_compiles(monkeypatch)  # the step is compiled once, by the command
     config = str(REPO / "configs" / "tiny.yaml")
-    code = main(["compile", config, "--topology", topology, *mesh, *SMALL, "--json"])
+    code = main(["compile", config, "--topology", topology, *SMALL, *mesh, "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads(out.strip().splitlines()[-1])
@@ -64,12 +68,14 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch)
     assert report["chips"] == get_topology(topology).num_chips
 
     # What it compiled is the step `abstract_train_step` builds from the same config (compared as lowered
-    # programs, so the step is not compiled a second time), and it printed XLA's memory analysis of it.
+    # programs, so the step is not compiled a second time; on one of the two chips, as tracing and lowering the
+    # step again takes seconds), and it printed XLA's memory analysis of it.
     assert len(compiles) == 1, len(compiles)
     lowered, compiled = compiles[0]
-    cfg = load_experiment(config, [*mesh, *SMALL])
-    jitted, state, batch, _ = abstract_train_step(cfg, get_topology(topology).devices())
-    assert jitted.trace(state, batch).lower().as_text() == lowered.as_text()
+    if topology == "v5p-8":
+        cfg = load_experiment(config, [*SMALL, *mesh])
+        jitted, state, batch, _ = abstract_train_step(cfg, get_topology(topology).devices())
+        assert jitted.trace(state, batch).lower().as_text() == lowered.as_text()
     memory = compiled.memory_analysis()
     printed = {name: int(re.search(rf"^  {name}\s+([\d,]+) bytes", out, re.M).group(1).replace(",", ""))
                for name in ("arguments", "outputs", "temporaries", "aliased")}

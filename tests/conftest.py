@@ -66,8 +66,8 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     return units
 
 
-# Seconds of the suite's slowest tests (setup included), from `pytest -n 2 --durations=120` of the suite at 452ade6
-# (2026-12-03, fresh checkout, cold compile cache, idle 2-core AVX2 VM; the tests removed since dropped).
+# Seconds of the suite's tests over 3 s (setup and teardown included; a grouped test's "@group" suffix dropped), from
+# `pytest -n 2 --durations=0` of the suite at ad1cc13 (2026-12-04, cold compile cache, idle 2-core AVX-512 VM).
 # A test not listed counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
 MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
 SLOW_SECONDS, FAST_SECONDS = 15, 1

@@ -314,8 +314,8 @@ def _kernel_name(inst: _Instruction) -> str:
 
 
 def _replica_groups(rest: str, num_devices: int) -> list[list[int]] | None:
-    """Device ids of each replica group (source/target pairs for a collective-permute); None when the text
-    names mesh axes instead of ids."""
+    """Device ids of each replica group (source/target pairs for a collective-permute); None for a mesh-axes
+    form `_mesh_axis_groups` does not know."""
     pairs = re.search(r"source_target_pairs=\{(\{[\d,{} ]*\})\}", rest)
     if pairs:
         return [[int(v) for v in group.split(",") if v] for group in re.findall(r"\{([\d,]*)\}", pairs.group(1))]
@@ -332,8 +332,43 @@ def _replica_groups(rest: str, num_devices: int) -> list[list[int]] | None:
         groups = [[int(v) for v in group.split(",") if v] for group in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
         return groups if groups and groups[0] else [list(range(num_devices))]
     if "replica_groups=mesh" in rest:
-        return None
+        return _mesh_axis_groups(rest)
     return [list(range(num_devices))]
+
+
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.+?)\))?\s*\{([^}]*)\}")
+
+
+def _iota_ids(text: str | None, count: int) -> np.ndarray | None:
+    """The device order of a mesh-axes device list: none given (0..count-1), an iota `[2,8]T(1,0)` (arange
+    reshaped, transposed, flattened) or the ids listed; None for a form not known here."""
+    if text is None:
+        return np.arange(count)
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if iota:
+        ids = np.arange(count).reshape([int(v) for v in iota.group(1).split(",")])
+        return (ids.transpose([int(v) for v in iota.group(2).split(",")]) if iota.group(2) else ids).reshape(-1)
+    if re.fullmatch(r"[\d,\s]+", text):
+        return np.array([int(v) for v in text.split(",") if v.strip()])
+    return None
+
+
+def _mesh_axis_groups(rest: str) -> list[list[int]] | None:
+    """Replica groups XLA writes as mesh axes, `mesh['a'=8,'b'=2], device_ids=([2,8]T(1,0)) {'b'}`: the devices laid
+    out on the mesh in `device_ids` order, each group the devices that differ only along the named axes. None
+    for a form not known here (sub-axes, say)."""
+    named = _MESH_GROUPS.search(rest)
+    if not named:
+        return None
+    axes = [(name.strip("' "), int(size)) for name, size in (part.split("=") for part in named.group(1).split(","))]
+    names, shape = [name for name, _ in axes], [size for _, size in axes]
+    grouped = [name.strip("' ") for name in named.group(3).split(",") if name.strip()]
+    ids = _iota_ids(named.group(2), math.prod(shape))
+    if ids is None or ids.size != math.prod(shape) or not set(grouped) <= set(names):
+        return None
+    over = [names.index(name) for name in grouped]
+    others = [i for i in range(len(shape)) if i not in over]
+    return ids.reshape(shape).transpose(others + over).reshape(-1, math.prod(shape[i] for i in over)).tolist()
 
 
 def _group_size(rest: str, num_devices: int) -> int:

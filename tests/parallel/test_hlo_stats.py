@@ -445,3 +445,35 @@ def test_each_collective_sends_its_ring_bytes_by_kind_source_and_link():
         {INTRA_NODE: sum(expected.values())})
     with pytest.raises(ValueError, match="node_of_device"):
         hlo_stats(COLLECTIVES_HLO, num_devices=8, node_of_device=[0, 1])
+
+
+MESH_AXES_HLO = """HloModule mesh_axes
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+ENTRY %main (p: bf16[1024]) -> bf16[1024] {
+  %p = bf16[1024]{0} parameter(0)
+  %fsdp = bf16[1024]{0} all-reduce(%p), channel_id=1, replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/fsdp_op"}
+  %data = bf16[1024]{0} all-reduce(%p), channel_id=2, replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_2'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/data_op"}
+  %all = bf16[1024]{0} all-reduce(%p), channel_id=3, replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/all_op"}
+  ROOT %inner = bf16[1024]{0} all-reduce(%p), channel_id=4, replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=8,'axis_3'=2], device_ids=([2,8]T(1,0)) {'axis_2'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/inner_op"}
+}
+"""
+
+
+def test_replica_groups_named_by_mesh_axes_are_placed_on_their_nodes():
+    """XLA (the GPU compiler of 2 nodes of 8, say) may write replica groups as mesh axes in a device order: the
+    devices along the named axes are a group. On `device_ids=([2,8]T(1,0))` mesh position (k, 0, j) holds device
+    8j + k: the 8-wide axis stays within a node and the 2-wide one pairs the nodes. (Before this was parsed,
+    every such collective counted as inter-node.)"""
+    size = 1024 * 2
+    stats = hlo_stats(MESH_AXES_HLO, num_devices=16, node_of_device=[0] * 8 + [1] * 8)
+    ring = lambda n: 2 * size * (n - 1) / n  # noqa: E731  (all-reduce)
+    assert stats.collective_bytes_by_source == pytest.approx(
+        {"fsdp_op": ring(8), "data_op": ring(2), "all_op": ring(16), "inner_op": ring(8)})
+    assert stats.collective_bytes_by_link == pytest.approx(
+        {INTRA_NODE: ring(8) + ring(8), INTER_NODE: ring(2) + ring(16)})

@@ -372,10 +372,10 @@ def _mesh_axis_groups(rest: str) -> list[list[int]] | None:
 
 
 def _group_size(rest: str, num_devices: int) -> int:
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    named = _MESH_GROUPS.search(rest)  # the named axes' sizes, whatever order the devices are in
     if named:
         sizes = dict((k.strip("' "), int(v)) for k, v in (p.split("=") for p in named.group(1).split(",")))
-        return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(",") if a.strip())
+        return math.prod(sizes[a.strip("' ")] for a in named.group(3).split(",") if a.strip())
     groups = _replica_groups(rest, num_devices)
     return max(1, len(groups[0])) if groups else num_devices
 

@@ -339,6 +339,12 @@ def _replica_groups(rest: str, num_devices: int) -> list[list[int]] | None:
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.+?)\))?\s*\{([^}]*)\}")
 
 
+def _mesh_axes(named: re.Match) -> tuple[dict[str, int], list[str]]:
+    """A `_MESH_GROUPS` match's mesh axes {name: size}, in order, and the axes its groups run along."""
+    sizes = {name.strip("' "): int(size) for name, size in (part.split("=") for part in named.group(1).split(","))}
+    return sizes, [name.strip("' ") for name in named.group(3).split(",") if name.strip()]
+
+
 def _iota_ids(text: str | None, count: int) -> np.ndarray | None:
     """The device order of a mesh-axes device list: none given (0..count-1), an iota `[2,8]T(1,0)` (arange
     reshaped, transposed, flattened) or the ids listed; None for a form not known here."""
@@ -360,9 +366,8 @@ def _mesh_axis_groups(rest: str) -> list[list[int]] | None:
     named = _MESH_GROUPS.search(rest)
     if not named:
         return None
-    axes = [(name.strip("' "), int(size)) for name, size in (part.split("=") for part in named.group(1).split(","))]
-    names, shape = [name for name, _ in axes], [size for _, size in axes]
-    grouped = [name.strip("' ") for name in named.group(3).split(",") if name.strip()]
+    sizes, grouped = _mesh_axes(named)
+    names, shape = list(sizes), list(sizes.values())
     ids = _iota_ids(named.group(2), math.prod(shape))
     if ids is None or ids.size != math.prod(shape) or not set(grouped) <= set(names):
         return None
@@ -374,8 +379,8 @@ def _mesh_axis_groups(rest: str) -> list[list[int]] | None:
 def _group_size(rest: str, num_devices: int) -> int:
     named = _MESH_GROUPS.search(rest)  # the named axes' sizes, whatever order the devices are in
     if named:
-        sizes = dict((k.strip("' "), int(v)) for k, v in (p.split("=") for p in named.group(1).split(",")))
-        return math.prod(sizes[a.strip("' ")] for a in named.group(3).split(",") if a.strip())
+        sizes, grouped = _mesh_axes(named)
+        return math.prod(sizes[name] for name in grouped)
     groups = _replica_groups(rest, num_devices)
     return max(1, len(groups[0])) if groups else num_devices
 

@@ -90,8 +90,9 @@ def run(args: argparse.Namespace, backend: str | None, params=None):
     batch, seq = args.batch, (64 if args.smoke else args.seq)
     counts = count_params(config)
     optim = OptimConfig(name="adamw", lr=1e-4, warmup_steps=0, schedule="constant")
-    params = init(config, jax.random.key(0)) if params is None else params
-    untouched = jax.tree.map(jnp.copy, params)  # the step donates its state
+    params = init(config, jax.random.key(0)) if params is None else jax.device_put(params)
+    # The step donates its state; the next backend's weights wait on the host, so they are not in this step's peak.
+    untouched = jax.device_get(params)
     optimizer = make_optimizer(optim, params, config=config)
     step = make_train_step(config, TrainConfig(batch_size=batch, seq_len=seq), optimizer)
     state = init_train_state(params, optimizer)

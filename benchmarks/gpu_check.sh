@@ -25,9 +25,9 @@ run_step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/# gpu: /'
 
-# The caps below add up to 490 s, so the whole check ends within 8.5 minutes whatever hangs. Measured on an H200
-# (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the 1B step 43 s of compile and
-# 5 steps; the tiny-model check ran past 60 s there (now compiled unoptimised: 70 s with both sides on a 2-core CPU).
+# The caps below add up to 530 s, so the whole check ends within 9 minutes whatever hangs. Measured on an H200
+# (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the tiny-model check 67 s, the 1B
+# step 43 s of compile and 5 steps, each sweep candidate ~15 s.
 # Kernels: every entry point against its jnp reference at GLM-5 head shapes (H 64, C 512, R 64, bf16; sparse
 # MLA forward and backward, indexer scores with gradients and top-k, both KL targets), then forward /
 # forward+backward time and TFLOP/s against cuDNN's flash attention (MLA's expanded form, 64 heads of 256) at
@@ -40,10 +40,14 @@ run_step 190 pallas_kernels python3 benchmarks/gpu_kernels.py --block-ns 64 --pa
 # same steps on the host CPU: losses equal within bf16 tolerance at every step ("ok" in its summary line).
 run_step 140 tiny_losses python3 benchmarks/gpu_tiny_losses.py --out "$OUT_FILE"
 
-# Training step of a ~1B-parameter GLM-5-shaped model (bf16, S = 4096) with the Pallas DSA kernels, then with
-# the jnp DSA path on the same weights: compile time (43 s on an H200's host), tokens/s and MFU against
-# 989 TFLOP/s; each stops timing steps after --budget-s.
-run_step 160 train_step python3 benchmarks/gpu_train_step.py --attention-backend pallas,sparse --budget-s 10 \
-    --out "$OUT_FILE"
+# Training step of a ~1B-parameter GLM-5-shaped model (bf16, S = 4096) with the Pallas DSA kernels: compile time
+# (43 s on an H200's host), tokens/s and MFU against 989 TFLOP/s; it stops timing steps after --budget-s. (The jnp
+# DSA path beside it, `--attention-backend pallas,sparse`, was timed on 2026-12-04: the kernels 1.34x faster.)
+run_step 100 train_step python3 benchmarks/gpu_train_step.py --attention-backend pallas --budget-s 10 --out "$OUT_FILE"
+
+# The sparse MLA kernels' launch settings as shipped against the ones they replaced (2026-12-04 sweep: 1 forward
+# stage and 4 backward warps, each timed alone, 1.10x and 1.26x): the shipped pair must beat both at S = 8192.
+run_step 100 kernel_sweep python3 benchmarks/gpu_kernel_sweep.py --candidates shipped,fwd_2_stages,bwd_8_warps \
+    --budget-s 60 --out "$OUT_FILE"
 
 echo "# $(wc -l < "$OUT_FILE") JSON lines in $OUT_FILE"

@@ -21,7 +21,7 @@ from pallas_kernels._common import (
     pad_axis,
     round_up,
 )
-from pallas_kernels.shared_memory import fit_block_and_stages, fits
+from pallas_kernels.shared_memory import MAX_STAGES, fit_block_and_stages, fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,17 +93,29 @@ def pad_indices(indices: jax.Array, layout: MlaLayout) -> jax.Array:
 
 
 def kernel_warps(layout: MlaLayout) -> int:
+    """Warps of the Triton row-gathering forwards (sparse MLA, sparse KL target). At GLM-5's 64 x 512 on an H200
+    (S = T = 8192) the sparse MLA forward took 13.0 ms at 8 warps, 20.2 at 4 and 27.7 at 16."""
     return 8 if layout.heads_padded * layout.latent_padded >= 64 * 512 else 4
 
 
-def gather_kernel_plan(layout: MlaLayout, itemsize: int) -> tuple[int, int]:
+# Warps of the Triton sparse MLA backward, whatever the layout: on an H200 (GLM-5 bf16, S = T = 8192; timed by
+# benchmarks/gpu_kernel_sweep.py, 2026-12-04) forward+backward took 63.8 ms with it at 4 warps, 80.4 at 8 and
+# 210.7 at 16 (the forward the same 13.0 ms in each).
+SPARSE_MLA_BACKWARD_WARPS = 4
+# Pipeline stages of the Triton sparse MLA forward: Triton's pipelining of its gathered rows bought nothing there
+# (11.9 ms at 1 stage, 13.0 at 2, same run); the sparse KL target keeps the plan's stages (not timed).
+SPARSE_MLA_FORWARD_STAGES = 1
+
+
+def gather_kernel_plan(layout: MlaLayout, itemsize: int, max_stages: int = MAX_STAGES) -> tuple[int, int]:
     """(rows gathered per step, pipeline stages) of the Triton row-gathering kernels (sparse MLA forward,
     sparse KL target) on the target GPU: the query's Hp x (Cp+Rp) block stays in shared memory, and each
     stage holds one block of gathered rows (GLM-5 bf16, block_n 64: 72 KiB + 72 KiB per stage -> 2 stages
     in 227 KiB). The block is layout.block_n unless that does not fit even in one stage (fp32 at GLM-5)."""
     width = layout.latent_padded + layout.rope_padded
     return fit_block_and_stages(
-        layout.block_n, lambda block, stages: (layout.heads_padded + stages * block) * width * itemsize)
+        layout.block_n, lambda block, stages: (layout.heads_padded + stages * block) * width * itemsize,
+        max_stages=max_stages)
 
 
 # Below 64 gathered rows per step, Triton keeps the sparse MLA backward's resident queries and d_out twice in

@@ -47,6 +47,8 @@ from pallas_kernels.dsa_cost import (
     sparse_mla_forward_flops,
 )
 from pallas_kernels.mla_layout import (
+    SPARSE_MLA_BACKWARD_WARPS,
+    SPARSE_MLA_FORWARD_STAGES,
     MlaLayout,
     backward_plan,
     backward_query_chunk,
@@ -142,7 +144,7 @@ def visited_blocks(batch: int, q_len: int, layout: MlaLayout, block_n: int, cost
 
 def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpret: bool, cost_q_offset):
     batch, q_len, heads, width = q_c.shape
-    block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize)
+    block_n, stages = gather_kernel_plan(layout, q_c.dtype.itemsize, max_stages=SPARSE_MLA_FORWARD_STAGES)
     out_shape = [jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct((batch, q_len, heads), jnp.float32)]
     call = pl.pallas_call(
         functools.partial(_forward_kernel, scale=scale, block_n=block_n),
@@ -227,7 +229,7 @@ def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout:
                    per_query_spec(slots, rope)],
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=triton_params(num_warps=kernel_warps(layout), num_stages=1),
+        compiler_params=triton_params(num_warps=SPARSE_MLA_BACKWARD_WARPS, num_stages=1),
     )
     flops = sparse_mla_backward_flops(heads, slots, width + rope, width)
     cost = gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [d_out, lse, shift], out_shape[:2], flops=flops,

@@ -16,7 +16,7 @@ from pallas_kernels import (
     sparse_mla_attention,
 )
 from pallas_kernels.gpu_targets import GPU_TARGETS, gpu_target_config
-from pallas_kernels.mla_layout import MlaLayout, backward_plan, gather_kernel_plan
+from pallas_kernels.mla_layout import SPARSE_MLA_FORWARD_STAGES, MlaLayout, backward_plan, gather_kernel_plan
 from pallas_kernels.reference import (
     dense_attention_target_reference,
     indexer_scores_reference,
@@ -53,6 +53,9 @@ def test_glm5_choices_on_hopper():
     its block of 128 halved; fp32: the row block halves to fit a single stage."""
     assert gather_kernel_plan(GLM5, 2) == (64, 2)
     assert gather_kernel_plan(GLM5, 4) == (32, 1)
+    # The sparse MLA forward runs at one stage (timed faster on an H200); its block is what fits one stage.
+    assert gather_kernel_plan(GLM5, 2, max_stages=SPARSE_MLA_FORWARD_STAGES) == (64, 1)
+    assert gather_kernel_plan(dataclasses.replace(GLM5, block_n=128), 2, max_stages=1) == (128, 1)
     assert backward_plan(GLM5, 2) == (64, 2)
     assert backward_plan(dataclasses.replace(GLM5, block_n=128), 2) == (64, 2)
     # A forward block of 32 keeps the backward at 64: below it Triton holds the resident tiles twice (308 KiB).

@@ -1,0 +1,197 @@
+"""Launch settings of the Triton sparse MLA kernels on one GPU: warps, pipeline stages and rows per step.
+
+The shipped settings (`mla_layout.kernel_warps`, `SPARSE_MLA_FORWARD_STAGES`, `SPARSE_MLA_BACKWARD_WARPS`, the
+blocks of `gather_kernel_plan` and `backward_plan`) were chosen by this sweep on an H200 (BENCHMARKS.md). This times the forward and forward+backward
+of one GLM-5 layer's sparse attention (H 64, C 512, R 64, N 2048, bf16, S = T = --seq) under each candidate,
+checks each against the first candidate's (the shipped settings') output and gradients on the same inputs, and times the backward's
+scatter-add of per-slot row gradients alone (the XLA part of the backward). One JSON line per result.
+
+  PYTHONPATH=. python benchmarks/gpu_kernel_sweep.py --out "$OUT/sweep.jsonl"          # on the GPU
+  PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/gpu_kernel_sweep.py --aot h200     # which candidates compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import pallas_kernels.sparse_mla as sparse_mla_module
+from benchmarks.gpu_kernels import (
+    Recorder,
+    attention_flops,
+    relative_error,
+    strided_causal_indices,
+    sum_of_squares_grad,
+    timed_ms,
+)
+from pallas_kernels import sparse_mla_attention
+from pallas_kernels._common import triton_params
+from pallas_kernels.gpu_targets import gpu_target_config
+from pallas_kernels.mla_layout import _scatter_add_rows
+
+# name -> (block_n, forward (warps, stages) or None for the shipped plan, backward (warps, stages) or None).
+# The first is what ships; the order is the order of interest, since the budget may stop the sweep. The
+# backward at 2 stages is not among them: for H200 it asks 311,808 B of shared memory (232,448 there). The
+# first sweep (2026-12-04, benchmarks/gpu_runs/2026-12-04_h200_run5_sweep.jsonl) shipped a forward at 8 warps and
+# 2 stages and a backward at 8 warps; its winners, 1 stage and 4 warps, ship now.
+CANDIDATES = {
+    "shipped": (64, None, None),
+    "fwd_2_stages": (64, (8, 2), None),
+    "bwd_8_warps": (64, None, (8, 1)),
+    "fwd_4_warps": (64, (4, 1), None),
+    "bwd_2_warps": (64, None, (2, 1)),
+    "fwd_block_32_3_stages": (32, (8, 3), None),
+    "fwd_block_128": (128, (8, 1), None),
+    "fwd_16_warps": (64, (16, 1), None),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"from {', '.join(CANDIDATES)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=150.0, help="no candidate starts after this")
+    parser.add_argument("--aot", default=None, help="compile for this GPU target (h100, h200) here, time nothing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.candidates.split(",") if name not in CANDIDATES]
+    if unknown:
+        parser.error(f"--candidates: unknown {unknown}; valid: {', '.join(CANDIDATES)}")
+    return args
+
+
+@contextlib.contextmanager
+def launch_settings(forward, backward):
+    """The kernels' Triton settings replaced inside the block: forward / backward (warps, stages) or None."""
+    originals = {name: getattr(sparse_mla_module, name) for name in ("_forward_call", "_backward_call", "triton_params")}
+    active = []
+
+    def tagged(which, settings):
+        def call(*args, **kwargs):
+            active.append(settings)
+            try:
+                return originals[which](*args, **kwargs)
+            finally:
+                active.pop()
+        return call
+
+    def params(*, num_warps, num_stages):
+        if active and active[-1] is not None:
+            num_warps, num_stages = active[-1]
+        return triton_params(num_warps=num_warps, num_stages=num_stages)
+
+    sparse_mla_module._forward_call = tagged("_forward_call", forward)
+    sparse_mla_module._backward_call = tagged("_backward_call", backward)
+    sparse_mla_module.triton_params = params
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(sparse_mla_module, name, fn)
+
+
+def inputs(args):
+    keys = jax.random.split(jax.random.key(args.seq), 2)
+    q = jax.random.normal(keys[0], (1, args.seq, args.heads, 576), jnp.bfloat16)
+    latent = jax.random.normal(keys[1], (1, args.seq, 576), jnp.bfloat16)
+    return q, latent, strided_causal_indices(args.seq, min(args.topk, args.seq))
+
+
+def compile_only(args, rec: Recorder, name: str) -> None:
+    """Lower and compile the candidate's forward+backward for args.aot here (no GPU): does it fit?"""
+    block_n, forward, backward = CANDIDATES[name]
+    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(args.aot),
+                                           topology="1x1x1").devices
+    sharding = NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
+    q, latent, indices = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in
+                          (jax.ShapeDtypeStruct((1, args.seq, args.heads, 576), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((1, args.seq, 576), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((1, args.seq, args.topk), jnp.int32)))
+
+    def loss(q, latent, indices):
+        out = sparse_mla_attention(q, latent, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n,
+                                   platform="gpu")[0]
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+    start = time.perf_counter()
+    with launch_settings(forward, backward), jax.default_device(devices[0]):
+        jax.jit(jax.grad(loss, argnums=(0, 1))).trace(q, latent, indices).lower().compile()
+    rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True,
+             compile_s=round(time.perf_counter() - start, 1))
+
+
+def time_candidate(args, rec: Recorder, name: str, data, reference) -> tuple:
+    block_n, forward, backward = CANDIDATES[name]
+    q, latent, indices = data
+
+    def attend(a, b):
+        return sparse_mla_attention(a, b, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n)[0]
+
+    jax.clear_caches()  # the settings are read while tracing: no trace of another candidate may be reused
+    with launch_settings(forward, backward):
+        fwd = jax.jit(attend).lower(q, latent).compile()
+        grads = sum_of_squares_grad(attend).lower(q, latent).compile()
+    fwd_ms = timed_ms(fwd, q, latent, repeats=args.repeats)
+    all_ms = timed_ms(grads, q, latent, repeats=args.repeats)
+    out, (dq, dlatent) = fwd(q, latent), grads(q, latent)
+    triples = args.heads * float(jnp.sum(indices >= 0))
+    flops_fwd, flops_all = attention_flops(triples, 512, 64)
+    errors = {}
+    if reference is not None:
+        errors = {f"{what}_vs_first": relative_error(got, want)
+                  for what, got, want in zip(("out", "dq", "dlatent"), (out, dq, dlatent), reference)}
+    rec.emit(check="sweep", candidate=name, seq=args.seq, block_n=block_n, forward=forward, backward=backward,
+             forward_ms=round(fwd_ms, 3), forward_tflops=round(flops_fwd / fwd_ms / 1e9, 1),
+             fwd_bwd_ms=round(all_ms, 3), fwd_bwd_tflops=round(flops_all / all_ms / 1e9, 1), **errors)
+    return out, dq, dlatent
+
+
+def time_scatter(args, rec: Recorder, data) -> None:
+    """The backward's XLA scatter-add of one query chunk's per-slot row gradients into fp32 d(latent), as
+    `chunked_backward` runs it (sort, then a sorted scatter), times the number of chunks of the sequence."""
+    q, latent, indices = data
+    chunk = min(sparse_mla_module.backward_query_chunk(args.seq, indices.shape[-1], 2), args.seq)
+    rows = indices[:, :chunk].reshape(1, -1)
+    values = jax.random.normal(jax.random.key(1), (1, rows.shape[1], 576), jnp.bfloat16)
+    acc = jnp.zeros((1, args.seq, 576), jnp.float32)
+    scatter = jax.jit(_scatter_add_rows).lower(acc, rows, values).compile()
+    chunk_ms = timed_ms(scatter, acc, rows, values, repeats=args.repeats)
+    rec.emit(check="sweep_scatter", seq=args.seq, query_chunk=chunk, chunk_ms=round(chunk_ms, 3),
+             sequence_ms=round(chunk_ms * -(-args.seq // chunk), 2))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rec = Recorder(args.out)
+    start = time.perf_counter()
+    names = args.candidates.split(",")
+    if args.aot:
+        for name in names:
+            with rec.guard("sweep_aot", candidate=name):
+                compile_only(args, rec, name)
+        return
+    rec.emit(check="environment", jax=jax.__version__, device=jax.devices()[0].device_kind)
+    data = inputs(args)
+    reference = None
+    for name in names:
+        if time.perf_counter() - start > args.budget_s:
+            rec.emit(check="sweep", candidate=name, skipped="time budget spent")
+            continue
+        with rec.guard("sweep", candidate=name):
+            result = time_candidate(args, rec, name, data, reference)
+            reference = result if reference is None else reference
+    with rec.guard("sweep_scatter"):
+        time_scatter(args, rec, data)
+
+
+if __name__ == "__main__":
+    main()

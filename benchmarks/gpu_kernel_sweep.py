@@ -1,10 +1,12 @@
-"""Launch settings of the Triton sparse MLA kernels on one GPU: warps, pipeline stages and rows per step.
+"""Launch settings of the Triton sparse MLA kernels on one GPU: warps, pipeline stages, rows per step and how the
+backward sums row gradients (per-slot rows + XLA scatter, or atomic adds in the kernel).
 
 The shipped settings (`mla_layout.kernel_warps`, `SPARSE_MLA_FORWARD_STAGES`, `SPARSE_MLA_BACKWARD_WARPS`, the
-blocks of `gather_kernel_plan` and `backward_plan`) were chosen by this sweep on an H200 (BENCHMARKS.md). This times the forward and forward+backward
-of one GLM-5 layer's sparse attention (H 64, C 512, R 64, N 2048, bf16, S = T = --seq) under each candidate,
-checks each against the first candidate's (the shipped settings') output and gradients on the same inputs, and times the backward's
-scatter-add of per-slot row gradients alone (the XLA part of the backward). One JSON line per result.
+blocks of `gather_kernel_plan` and `backward_plan`) were chosen by this sweep on an H200 (BENCHMARKS.md). It
+times the forward and forward+backward of one GLM-5 layer's sparse attention (H 64, C 512, R 64, N 2048, bf16,
+S = T = --seq) under each candidate, checks each against the first candidate's (the shipped settings') output
+and gradients on the same inputs, and times the backward's scatter-add of per-slot row gradients alone (the XLA
+part of the backward). One JSON line per result.
 
   PYTHONPATH=. python benchmarks/gpu_kernel_sweep.py --out "$OUT/sweep.jsonl"          # on the GPU
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/gpu_kernel_sweep.py --aot h200     # which candidates compile
@@ -35,20 +37,23 @@ from pallas_kernels._common import triton_params
 from pallas_kernels.gpu_targets import gpu_target_config
 from pallas_kernels.mla_layout import _scatter_add_rows
 
-# name -> (block_n, forward (warps, stages) or None for the shipped plan, backward (warps, stages) or None).
+# name -> (block_n, forward (warps, stages) or None for the shipped plan, backward (warps, stages) or None,
+# row_gradients: how the backward sums row gradients, `sparse_mla_attention`'s argument).
 # The first is what ships; the order is the order of interest, since the budget may stop the sweep. The
 # backward at 2 stages is not among them: for H200 it asks 311,808 B of shared memory (232,448 there). The
 # first sweep (2026-12-04, benchmarks/gpu_runs/2026-12-04_h200_run5_sweep.jsonl) shipped a forward at 8 warps and
 # 2 stages and a backward at 8 warps; its winners, 1 stage and 4 warps, ship now.
 CANDIDATES = {
-    "shipped": (64, None, None),
-    "fwd_2_stages": (64, (8, 2), None),
-    "bwd_8_warps": (64, None, (8, 1)),
-    "fwd_4_warps": (64, (4, 1), None),
-    "bwd_2_warps": (64, None, (2, 1)),
-    "fwd_block_32_3_stages": (32, (8, 3), None),
-    "fwd_block_128": (128, (8, 1), None),
-    "fwd_16_warps": (64, (16, 1), None),
+    "shipped": (64, None, None, "scatter"),
+    "bwd_atomic_rows": (64, None, None, "atomic"),
+    "fwd_2_stages": (64, (8, 2), None, "scatter"),
+    "bwd_8_warps": (64, None, (8, 1), "scatter"),
+    "bwd_atomic_rows_8_warps": (64, None, (8, 1), "atomic"),
+    "fwd_4_warps": (64, (4, 1), None, "scatter"),
+    "bwd_2_warps": (64, None, (2, 1), "scatter"),
+    "fwd_block_32_3_stages": (32, (8, 3), None, "scatter"),
+    "fwd_block_128": (128, (8, 1), None, "scatter"),
+    "fwd_16_warps": (64, (16, 1), None, "scatter"),
 }
 
 
@@ -72,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @contextlib.contextmanager
 def launch_settings(forward, backward):
     """The kernels' Triton settings replaced inside the block: forward / backward (warps, stages) or None."""
-    originals = {name: getattr(sparse_mla_module, name) for name in ("_forward_call", "_backward_call", "triton_params")}
+    names = ("_forward_call", "_backward_call", "triton_params")
+    originals = {name: getattr(sparse_mla_module, name) for name in names}
     active = []
 
     def tagged(which, settings):
@@ -108,7 +114,7 @@ def inputs(args):
 
 def compile_only(args, rec: Recorder, name: str) -> None:
     """Lower and compile the candidate's forward+backward for args.aot here (no GPU): does it fit?"""
-    block_n, forward, backward = CANDIDATES[name]
+    block_n, forward, backward, row_gradients = CANDIDATES[name]
     devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(args.aot),
                                            topology="1x1x1").devices
     sharding = NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
@@ -119,7 +125,7 @@ def compile_only(args, rec: Recorder, name: str) -> None:
 
     def loss(q, latent, indices):
         out = sparse_mla_attention(q, latent, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n,
-                                   platform="gpu")[0]
+                                   platform="gpu", row_gradients=row_gradients)[0]
         return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
     start = time.perf_counter()
@@ -130,11 +136,12 @@ def compile_only(args, rec: Recorder, name: str) -> None:
 
 
 def time_candidate(args, rec: Recorder, name: str, data, reference) -> tuple:
-    block_n, forward, backward = CANDIDATES[name]
+    block_n, forward, backward, row_gradients = CANDIDATES[name]
     q, latent, indices = data
 
     def attend(a, b):
-        return sparse_mla_attention(a, b, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n)[0]
+        return sparse_mla_attention(a, b, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n,
+                                    row_gradients=row_gradients)[0]
 
     jax.clear_caches()  # the settings are read while tracing: no trace of another candidate may be reused
     with launch_settings(forward, backward):
@@ -150,6 +157,7 @@ def time_candidate(args, rec: Recorder, name: str, data, reference) -> tuple:
         errors = {f"{what}_vs_first": relative_error(got, want)
                   for what, got, want in zip(("out", "dq", "dlatent"), (out, dq, dlatent), reference)}
     rec.emit(check="sweep", candidate=name, seq=args.seq, block_n=block_n, forward=forward, backward=backward,
+             row_gradients=row_gradients,
              forward_ms=round(fwd_ms, 3), forward_tflops=round(flops_fwd / fwd_ms / 1e9, 1),
              fwd_bwd_ms=round(all_ms, 3), fwd_bwd_tflops=round(flops_all / all_ms / 1e9, 1), **errors)
     return out, dq, dlatent

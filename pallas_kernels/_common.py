@@ -107,6 +107,19 @@ def gather_rows(ref, idx: jax.Array, valid: jax.Array, columns: slice | None = N
     return plgpu.load(ref.at[rows, cols], mask=mask, other=0)
 
 
+def atomic_add_rows(ref, rows: jax.Array, values: jax.Array, columns: slice) -> None:
+    """ref[rows[n], columns] += values[n] for every n, atomically (other programs add to the same rows); ref is
+    2-D [T', width], rows int [block] inside it, values [block, columns' width], columns a static slice.
+
+    Unmasked (interpret mode has no masked atomics): a caller sends rows it must not add to a spare row instead.
+    Interpret mode applies a block's adds as one gather-add-set, so rows repeated within one call keep only one
+    add there: only the spare row may repeat."""
+    start, stop, _ = columns.indices(ref.shape[-1])
+    shape = (rows.shape[0], stop - start)
+    plgpu.atomic_add(ref, (jnp.broadcast_to(rows[:, None], shape), start + lax.broadcasted_iota(jnp.int32, shape, 1)),
+                     values)
+
+
 def dot_nt(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
     """a [M, K] x b [N, K] -> [M, N] in fp32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,

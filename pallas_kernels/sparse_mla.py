@@ -31,6 +31,7 @@ from pallas_kernels._common import (
     dot_nn,
     dot_nt,
     dot_tn,
+    atomic_add_rows,
     gather_rows,
     pad_axis,
     resolve_interpret,
@@ -162,10 +163,13 @@ def _forward_call(q_c, q_r, idx, k_c, k_r, *, scale, layout: MlaLayout, interpre
         return call(q_c, q_r, idx, k_c, k_r)
 
 
-def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref,
-                     dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref, *, scale, block_n, column_parts):
+def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_ref, shift_ref, *out_refs, scale,
+                     block_n, column_parts, atomic_rows):
     # The C columns are handled in `column_parts` static slices (`backward_plan`): each block's
     # fp32 row gradients then pass through shared memory one [block_n, C / parts] part at a time.
+    # out_refs end with dq (latent, rope parts) and the row gradients: per slot [N, *] in the latent's dtype, or
+    # with atomic_rows fp32 d(latent) [T + 1, *] (the aliased zero inputs come first), added to in place.
+    dq_c_ref, dq_r_ref, dk_c_ref, dk_r_ref = out_refs[-4:]
     num_keys, width = k_c_ref.shape
     part_width = width // column_parts
     parts = [slice(i * part_width, (i + 1) * part_width) for i in range(column_parts)]
@@ -195,9 +199,14 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
         # Per-slot row gradients, already summed over heads: key part of all C+R columns plus value part,
         # added in fp32 and stored in the latent's dtype.
         p_lo = p.astype(k_r.dtype)
-        for cols, q_part, do_part in zip(parts, q_c, d_out):
-            dk_c_ref[slots, cols] = (scale * dot_tn(d_logits, q_part) + dot_tn(p_lo, do_part)).astype(dk_c_ref.dtype)
-        dk_r_ref[slots, :] = (scale * dot_tn(d_logits, q_r)).astype(dk_r_ref.dtype)
+        row_parts = [(dk_c_ref, cols, scale * dot_tn(d_logits, q_part) + dot_tn(p_lo, do_part))
+                     for cols, q_part, do_part in zip(parts, q_c, d_out)]
+        row_parts.append((dk_r_ref, slice(None), scale * dot_tn(d_logits, q_r)))
+        for ref, cols, rows in row_parts:
+            if atomic_rows:  # an invalid slot's gradient is exactly 0 (p = 0): it goes to the spare row T
+                atomic_add_rows(ref, jnp.where(valid, idx, num_keys), rows, cols)
+            else:
+                ref[slots, cols] = rows.astype(ref.dtype)
         return dq_c, dq_r
 
     init = (tuple(jnp.zeros(x.shape, jnp.float32) for x in q_c), jnp.zeros(q_r.shape, jnp.float32))
@@ -209,41 +218,54 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
 
 
 def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout: MlaLayout, interpret: bool,
-                   visited_row_blocks):
-    """One query chunk's backward; visited_row_blocks: the blocks its declared cost counts (per call)."""
+                   visited_row_blocks, atomic_rows: bool = False):
+    """One query chunk's backward; visited_row_blocks: the blocks its declared cost counts (per call).
+    Returns dq's parts and the row gradients: per (query, slot) [B, S, Np, *] in the latent's dtype, or with
+    atomic_rows already summed into fp32 d(latent) [B, T + 1, *] (row T: the invalid slots' zeros)."""
     batch, q_len, heads, width = q_c.shape
-    rope, slots = q_r.shape[-1], idx.shape[-1]
+    rope, slots, num_keys = q_r.shape[-1], idx.shape[-1], k_c.shape[1]
     block_n, column_parts = backward_plan(layout, q_c.dtype.itemsize)
-    out_shape = [
-        jax.ShapeDtypeStruct(q_c.shape, q_c.dtype),
-        jax.ShapeDtypeStruct(q_r.shape, q_r.dtype),
-        jax.ShapeDtypeStruct((batch, q_len, slots, width), k_c.dtype),
-        jax.ShapeDtypeStruct((batch, q_len, slots, rope), k_r.dtype),
-    ]
+    per_slot = [jax.ShapeDtypeStruct((batch, q_len, slots, width), k_c.dtype),
+                jax.ShapeDtypeStruct((batch, q_len, slots, rope), k_r.dtype)]
+    accumulators, aliases = [], {}
+    if atomic_rows:
+        accumulators = [jnp.zeros((batch, num_keys + 1, width), jnp.float32),
+                        jnp.zeros((batch, num_keys + 1, rope), jnp.float32)]
+        aliases = {8: 2, 9: 3}
+        row_specs = [pl.BlockSpec((None, num_keys + 1, width), lambda b, s: (b, 0, 0)),
+                     pl.BlockSpec((None, num_keys + 1, rope), lambda b, s: (b, 0, 0))]
+        row_outputs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in accumulators]
+    else:
+        row_specs, row_outputs = [per_query_spec(slots, width), per_query_spec(slots, rope)], per_slot
+    out_shape = [jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct(q_r.shape, q_r.dtype), *row_outputs]
     call = pl.pallas_call(
-        functools.partial(_backward_kernel, scale=scale, block_n=block_n, column_parts=column_parts),
+        functools.partial(_backward_kernel, scale=scale, block_n=block_n, column_parts=column_parts,
+                          atomic_rows=atomic_rows),
         grid=(batch, q_len),
         in_specs=[*gathered_rows_in_specs(q_c, q_r, idx, k_c), per_query_spec(heads, width),
-                  per_query_spec(heads), per_query_spec(heads)],
-        out_specs=[per_query_spec(heads, width), per_query_spec(heads, rope), per_query_spec(slots, width),
-                   per_query_spec(slots, rope)],
+                  per_query_spec(heads), per_query_spec(heads), *row_specs[:len(accumulators)]],
+        out_specs=[per_query_spec(heads, width), per_query_spec(heads, rope), *row_specs],
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=triton_params(num_warps=SPARSE_MLA_BACKWARD_WARPS, num_stages=1),
     )
     flops = sparse_mla_backward_flops(heads, slots, width + rope, width)
+    # Atomic adds are costed as the fp32 rows they send (what the per-slot rows would write, in fp32).
+    sent = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in per_slot] if atomic_rows else per_slot
     cost = gathered_rows_kernel_cost(q_c, q_r, idx, k_c, k_r, [d_out, lse, shift], out_shape[:2], flops=flops,
-                                     block_n=block_n, visited_blocks=visited_row_blocks, per_slot=out_shape[2:])
+                                     block_n=block_n, visited_blocks=visited_row_blocks, per_slot=sent)
     with cost.declared():
-        return call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift)
+        return call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *accumulators)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
-    return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _sparse_mla(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset, row_gradients):
+    return _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset,
+                           row_gradients)[0]
 
 
-def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset):
+def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpret, cost_q_offset, row_gradients):
     q_c, q_r = split_queries(q, layout)
     k_c, k_r = split_latent(latent, layout)
     out, lse = _forward_call(q_c, q_r, pad_indices(indices, layout), k_c, k_r, scale=scale, layout=layout,
@@ -253,11 +275,21 @@ def _sparse_mla_fwd(q, latent, indices, scale, layout, bwd_query_chunk, interpre
     return (out, lse), (q, latent, indices, out, lse)
 
 
-def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, residuals, cotangents):
+def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, row_gradients, residuals, cotangents):
     q, latent, indices, out, lse = residuals
     d_out, d_lse = cotangents
     do_c = split_queries(d_out.astype(q.dtype), layout)[0]
     block_n = backward_plan(layout, q.dtype.itemsize)[0]
+    # The backward's block can exceed the forward's (`backward_plan`): pad the slots to a multiple of it.
+    slots = pad_axis(indices.astype(jnp.int32), 2, round_up(layout.num_slots, block_n), value=-1)
+    lse_padded = pad_axis(lse, 2, layout.heads_padded)
+    shift = pad_axis(backward_shift(out, d_out, d_lse), 2, layout.heads_padded)
+    if row_gradients == "atomic":  # the whole sequence in one call: no per-slot rows, no scatter
+        dq_c, dq_r, dlat_c, dlat_r = _backward_call(
+            *split_queries(q, layout), slots, *split_latent(latent, layout), do_c, lse_padded, shift, scale=scale,
+            layout=layout, interpret=interpret, atomic_rows=True,
+            visited_row_blocks=visited_blocks(q.shape[0], q.shape[1], layout, block_n, cost_q_offset))
+        return _gradients(q, latent, layout, dq_c, dq_r, dlat_c[:, :-1], dlat_r[:, :-1])
     visited = q.shape[0] * chunk_row_blocks(cost_q_offset, q.shape[1], layout.num_slots, block_n, bwd_query_chunk)
 
     def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
@@ -265,12 +297,14 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, re
                                                 layout=layout, interpret=interpret, visited_row_blocks=visited)
         return (dq_c, dq_r), (dk_c, dk_r)
 
-    # The backward's block can exceed the forward's (`backward_plan`): pad the slots to a multiple of it.
-    slots = pad_axis(indices.astype(jnp.int32), 2, round_up(layout.num_slots, block_n), value=-1)
     (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
-        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), slots, do_c,
-        pad_axis(lse, 2, layout.heads_padded), pad_axis(backward_shift(out, d_out, d_lse), 2, layout.heads_padded),
+        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), slots, do_c, lse_padded, shift,
         chunk=bwd_query_chunk)
+    return _gradients(q, latent, layout, dq_c, dq_r, dlat_c, dlat_r)
+
+
+def _gradients(q, latent, layout: MlaLayout, dq_c, dq_r, dlat_c, dlat_r):
+    """(dq, d(latent), None) in the inputs' dtypes from the kernels' padded parts."""
     heads, c_dim, r_dim = layout.heads, layout.latent_dim, layout.rope_dim
     dq = jnp.concatenate([dq_c[:, :, :heads, :c_dim], dq_r[:, :, :heads, :r_dim]], axis=-1)
     dlatent = jnp.concatenate([dlat_c[..., :c_dim], dlat_r[..., :r_dim]], axis=-1)
@@ -293,8 +327,11 @@ def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_q
     return layout, bwd_query_chunk, resolve_interpret(interpret)
 
 
+ROW_GRADIENTS = ("scatter", "atomic")
+
+
 def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=None,
-                         interpret=None, platform=None, cost_q_offset=None):
+                         interpret=None, platform=None, cost_q_offset=None, row_gradients="scatter"):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
 
     q: [B, S, H, C+R] absorbed queries; latent: [B, T, C+R] (keys = whole rows, values = first C columns);
@@ -313,9 +350,19 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     unused slots last). cost_q_offset: for the kernels' declared cost only, query s sits at
     position cost_q_offset + s of a causal self-selection, so it fills at most that position + 1 slots
     (`dsa_cost.causal_row_blocks`); None counts every block.
+    row_gradients (Triton only): how the backward sums each selected row's gradients into d(latent).
+    "scatter": per-slot rows written by the kernel in query chunks, then sorted and scatter-added by XLA;
+    "atomic": the kernel adds them into fp32 d(latent) with atomic adds over the whole sequence at once (no
+    per-slot buffer, no scatter; bwd_query_chunk unused). Both sum in fp32 in an order that varies between runs
+    on a GPU (XLA's scatter-add is atomic there too).
     """
     layout, bwd_query_chunk, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n,
                                                               bwd_query_chunk, interpret, cost_q_offset)
+    if row_gradients not in ROW_GRADIENTS:
+        raise ValueError(f"row_gradients={row_gradients!r} is invalid: must be one of {ROW_GRADIENTS}")
     if resolve_platform(platform) == "tpu":
+        if row_gradients != "scatter":
+            raise ValueError(f"row_gradients={row_gradients!r} is Triton's (GPU) only; the TPU kernels scatter")
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
-    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
+    return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset,
+                       row_gradients)

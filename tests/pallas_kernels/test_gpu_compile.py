@@ -79,9 +79,12 @@ def entry_points(shape: Shapes, dtype) -> dict:
                                   block_n=shape.block_n, bwd_query_chunk=shape.bwd_query_chunk, **compiled)
     masks = lambda qs, ks: dict(q_segment_ids=qs, k_segment_ids=ks, q_offset=t - s)  # noqa: E731
 
-    def attention_loss(q, latent, indices):  # gradients through out and lse
-        out, lse = attention(q, latent, indices)
+    def attention_loss(q, latent, indices, **options):  # gradients through out and lse
+        out, lse = attention(q, latent, indices, **options)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.sin(lse))
+
+    def atomic_attention_loss(q, latent, indices):
+        return attention_loss(q, latent, indices, row_gradients="atomic")
 
     def scores(q, k, w, qs, ks):
         return indexer_scores(q, k, w, block_t=shape.block_t, **masks(qs, ks), **compiled)
@@ -103,6 +106,7 @@ def entry_points(shape: Shapes, dtype) -> dict:
     return {
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
         "sparse_mla_backward": (grad(attention_loss, 2), (q, latent, indices), 2),  # forward + backward kernel
+        "sparse_mla_backward_atomic": (grad(atomic_attention_loss, 2), (q, latent, indices), 2),
         "indexer_scores": (scores, index_args, 1),
         "indexer_scores_with_backward": (grad(scores_loss, 3), index_args, 1),  # jnp backward
         "indexer_topk": (topk, index_args, len(_topk_bands(shape))),  # one scores kernel per causal band
@@ -152,6 +156,8 @@ def expected_kernel_flops(shape: Shapes, dtype, name: str) -> int:
     # row blocks spread evenly over the calls, rounded up.
     forward = b * s * 2 * heads * slots * (2 * c_dim + r_dim)
     blocks, calls = slots // shape.block_n, -(-s // min(shape.bwd_query_chunk, s))
+    if name == "sparse_mla_backward_atomic":  # one call over the whole sequence
+        calls = 1
     backward = b * calls * -(-s * blocks // calls) * shape.block_n * 2 * heads * (5 * c_dim + 3 * r_dim)
     # Indexer: block_s queries x I heads per program, J wide, against each visited block of keys.
     index_heads, index_dim = _pow2(shape.index_heads), _pow2(shape.index_dim, 16)
@@ -179,7 +185,8 @@ def expected_kernel_flops(shape: Shapes, dtype, name: str) -> int:
     dense_t = dense_target_plan(dense_s * heads, layout, itemsize, shape.block_t)[0]
     dense = 2 * b * _causal_tiles(t - s, s, dense_s, dense_t, _round_up(t, dense_t) // dense_t) * (
         2 * dense_s * heads * dense_t * (target_c + target_r))
-    return {"sparse_mla_forward": forward, "sparse_mla_backward": forward + backward, "indexer_scores": scores,
+    return {"sparse_mla_forward": forward, "sparse_mla_backward": forward + backward,
+            "sparse_mla_backward_atomic": forward + backward, "indexer_scores": scores,
             "indexer_scores_with_backward": scores, "indexer_topk": topk, "sparse_attention_target": sparse_target,
             "dense_attention_target": dense}[name]
 
@@ -190,7 +197,12 @@ NAMES = sorted(entry_points(SMALL, jnp.float32))
 
 
 def _params():
-    for name in NAMES:
+    # The backward that adds row gradients atomically: at GLM-5 for H200, and at odd sizes (padded rows, the
+    # spare row of invalid slots) in fp32.
+    for target, shape, dtype in (("h200", "glm5", "bf16"), ("h100", "small", "fp32")):
+        name = "sparse_mla_backward_atomic"
+        yield pytest.param(target, shape, dtype, name, id=f"{target}-{shape}-{dtype}-{name}")
+    for name in (name for name in NAMES if name != "sparse_mla_backward_atomic"):
         # H200 has H100's SM and shared memory per block (test_shared_memory.py): its Triton kernels are H100's,
         # so only the one closest to the limit is compiled for it here (and every kernel of the training step,
         # for an H200 cluster, in tests/parallel/test_compile_cli.py).
@@ -215,6 +227,8 @@ def test_triton_kernel_compiles_for_gpu(target, shape, dtype, name):
     names = triton_kernel_names(text)
     assert len(names) == kernels, names
     assert "tpu_custom_call" not in text and "mosaic_gpu" not in text
+    # The atomic backward sums the row gradients in its kernel: no per-slot rows for XLA to scatter.
+    assert (" scatter(" in text) == (name == "sparse_mla_backward"), name
     stats = hlo_stats(text, 1)
     assert stats.kernels_without_cost == {}
     assert stats.kernel_flops == expected_kernel_flops(SHAPES[shape], DTYPES[dtype], name)

@@ -157,12 +157,49 @@ def test_bad_input_is_rejected_before_compiling(change, message, entry):
 
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(row_gradients="sorted"), r"row_gradients='sorted' is invalid: must be one of \('scatter', 'atomic'\)"),
+    (dict(row_gradients="atomic", platform="tpu"), r"row_gradients='atomic' is Triton's \(GPU\) only"),
+])
+def test_a_bad_row_gradient_mode_is_rejected_before_compiling(change, message):
+    with pytest.raises(ValueError, match=message):
+        sparse_mla_attention(jnp.zeros((1, 2, 4, 48)), jnp.zeros((1, 6, 48)), jnp.zeros((1, 2, 3), jnp.int32),
+                             scale=0.1, kv_lora_rank=32, block_n=16, **change)
+
+
+def test_atomic_row_gradients_equal_the_scattered_ones():
+    """The backward that adds each row gradient atomically into fp32 d(latent) (one call, invalid slots sent to a
+    spare row) against the per-slot rows + scatter: key 0 is shared by every query, unused slots (-1 and an index
+    >= T) come last, and queries stop early; fp32, so the two differ only in summation order."""
+    batch, q_len, num_keys, heads, c_dim, r_dim, num_slots, block_n, dtype, q_offset = CASES["h4_causal_unused_last"]
+    indices = causal_indices(np.random.default_rng(5), batch, q_len, num_keys, num_slots, q_offset)
+    indices[0, 1] = -1
+    indices[0, 1, 0] = num_keys + 5
+    indices = jnp.asarray(-np.sort(-indices, axis=-1))
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, c_dim + r_dim))
+    latent = jax.random.normal(keys[1], (batch, num_keys, c_dim + r_dim))
+    cotangents = (jax.random.normal(keys[2], (batch, q_len, heads, c_dim)),
+                  jax.random.normal(keys[3], (batch, q_len, heads)))
+
+    def gradients(**options):
+        _, vjp = jax.vjp(lambda q_, l_: sparse_mla_attention(q_, l_, indices, scale=0.2, kv_lora_rank=c_dim,
+                                                             block_n=block_n, bwd_query_chunk=4, **options), q, latent)
+        return vjp(cotangents)
+
+    atomic, scattered = gradients(row_gradients="atomic"), gradients()
+    for got, want in zip(atomic, scattered):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(atomic[1][:, 0]).max()) > 0
+
+
 # A numerics test: TPU interpret mode's checks (test_tpu_kernels.py runs them) add nothing here but ~20 s.
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_bf16_row_gradients_sum_in_fp32(platform, plain_tpu_interpret):
+@pytest.mark.parametrize("platform, row_gradients", [("gpu", "scatter"), ("gpu", "atomic"), ("tpu", "scatter")])
+def test_bf16_row_gradients_sum_in_fp32(platform, row_gradients, plain_tpu_interpret):
     """bf16 kernels write each (query, slot) row gradient in bf16, but d(latent) sums them in fp32: with 128
     queries all selecting the same 16 rows, d(latent) stays within bf16 rounding of the fp32 reference on the
-    same inputs: rms error 2.9e-3 of the rms (2.5e-3 with fp32 rows; 1.3e-2 when a chunk's rows sum in bf16)."""
+    same inputs: rms error 2.9e-3 of the rms (2.5e-3 with fp32 rows, as the atomic backward adds them; 1.3e-2
+    when a chunk's rows sum in bf16)."""
     batch, q_len, num_keys, heads, c_dim, r_dim = 1, 128, 16, 4, 32, 16
     keys = jax.random.split(jax.random.key(3), 4)
     q = jax.random.normal(keys[0], (batch, q_len, heads, c_dim + r_dim)).astype(jnp.bfloat16)
@@ -176,7 +213,8 @@ def test_bf16_row_gradients_sum_in_fp32(platform, plain_tpu_interpret):
         _, vjp = jax.vjp(lambda l_: fn(q, l_, indices, scale=scale, kv_lora_rank=c_dim, **kwargs), latent)
         return np.asarray(vjp((d_out.astype(q.dtype), d_lse))[0], np.float64)
 
-    got = d_latent(sparse_mla_attention, q, latent, block_n=16, bwd_query_chunk=64, platform=platform)
+    got = d_latent(sparse_mla_attention, q, latent, block_n=16, bwd_query_chunk=64, platform=platform,
+                   row_gradients=row_gradients)
     want = d_latent(sparse_mla_attention_reference, q.astype(jnp.float32), latent.astype(jnp.float32))
     assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 6e-3
 

@@ -12,6 +12,7 @@ bf16: 989). One JSON line per result on stdout and appended to --out; failures b
 
   PYTHONPATH=. python benchmarks/gpu_train_step.py --out "$OUT/gpu_check.jsonl"
   PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas,sparse   # kernels vs jnp DSA
+  PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas --sparse-row-gradients atomic
   PYTHONPATH=. python benchmarks/gpu_train_step.py --smoke          # tiny shapes, any backend (CPU check)
 """
 
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention-backend", default=None,
                         help="sparse, pallas or dense; a comma-separated list times each in turn (same weights)")
     parser.add_argument("--remat", default="none", choices=("none", "full", "dots", "dots_no_batch"))
+    parser.add_argument("--sparse-row-gradients", default="scatter", choices=("scatter", "atomic"),
+                        help="model.sparse_row_gradients: how the Triton sparse MLA backward sums row gradients")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip")
     parser.add_argument("--budget-s", type=float, default=45.0, help="stop timing steps after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seq 64) to check the script on CPU")
@@ -76,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace, backend: str | None) -> ModelConfig:
     base = SMOKE if args.smoke else GLM5_1B
     changes = {"mtp_num_steps": args.mtp_steps, "num_nextn_predict_layers": int(args.mtp_steps > 0),
-               "remat_policy": args.remat}
+               "remat_policy": args.remat, "sparse_row_gradients": args.sparse_row_gradients}
     if backend:
         changes["attention_backend"] = backend
     elif not args.smoke and jax.default_backend() != "gpu":
@@ -124,7 +127,8 @@ def run(args: argparse.Namespace, backend: str | None, params=None):
         "device": jax.devices()[0].device_kind, "config": "smoke" if args.smoke else "glm5_1b",
         "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
         "batch": batch, "seq": seq, "mtp_steps": args.mtp_steps, "attention_backend": config.attention_backend,
-        "remat": config.remat_policy, "compute_dtype": config.compute_dtype, "compile_s": round(compile_s, 1),
+        "remat": config.remat_policy, "sparse_row_gradients": config.sparse_row_gradients,
+        "compute_dtype": config.compute_dtype, "compile_s": round(compile_s, 1),
         "steps_timed": len(times), "step_ms": round(1e3 * statistics.median(times), 1),
         "tokens_per_s": round(tokens_per_s, 1), "train_tflops_per_token": per_token / 1e12,
         "achieved_tflops": round(per_token * tokens_per_s / 1e12, 2), "peak_tflops": args.peak_tflops,

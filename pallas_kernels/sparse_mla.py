@@ -330,6 +330,13 @@ def validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n, bwd_q
 ROW_GRADIENTS = ("scatter", "atomic")
 
 
+def check_row_gradients(row_gradients: str, platform: str) -> None:
+    if row_gradients not in ROW_GRADIENTS:
+        raise ValueError(f"row_gradients={row_gradients!r} is invalid: must be one of {ROW_GRADIENTS}")
+    if platform == "tpu" and row_gradients != "scatter":
+        raise ValueError(f"row_gradients={row_gradients!r} is Triton's (GPU) only; the TPU kernels scatter")
+
+
 def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=None,
                          interpret=None, platform=None, cost_q_offset=None, row_gradients="scatter"):
     """Sparse MLA attention over each query's selected latent rows; returns (out, lse).
@@ -358,11 +365,8 @@ def sparse_mla_attention(q, latent, indices, *, scale, kv_lora_rank, block_n=64,
     """
     layout, bwd_query_chunk, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n,
                                                               bwd_query_chunk, interpret, cost_q_offset)
-    if row_gradients not in ROW_GRADIENTS:
-        raise ValueError(f"row_gradients={row_gradients!r} is invalid: must be one of {ROW_GRADIENTS}")
+    check_row_gradients(row_gradients, resolve_platform(platform))
     if resolve_platform(platform) == "tpu":
-        if row_gradients != "scatter":
-            raise ValueError(f"row_gradients={row_gradients!r} is Triton's (GPU) only; the TPU kernels scatter")
         return tpu_sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset)
     return _sparse_mla(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret, cost_q_offset,
                        row_gradients)

@@ -16,12 +16,12 @@ import jax
 
 from pallas_kernels._common import resolve_platform
 from pallas_kernels.indexer_kl_target import sparse_attention_target
-from pallas_kernels.sparse_mla import sparse_mla_attention, validate_sparse_call
+from pallas_kernels.sparse_mla import check_row_gradients, sparse_mla_attention, validate_sparse_call
 from pallas_kernels.tpu_sparse_mla import tpu_sparse_mla_with_target
 
 
 def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank, block_n=64, bwd_query_chunk=None,
-                                     interpret=None, platform=None, cost_q_offset=None):
+                                     interpret=None, platform=None, cost_q_offset=None, row_gradients="scatter"):
     """`sparse_mla_attention`'s (out, lse) and `sparse_attention_target`'s target from its lse: (out [B, S, H, C]
     q.dtype, lse fp32 [B, S, H], target fp32 [B, S, N]).
 
@@ -33,12 +33,13 @@ def sparse_mla_attention_with_target(q, latent, indices, *, scale, kv_lora_rank,
     """
     layout, bwd_query_chunk, interpret = validate_sparse_call(q, latent, indices, scale, kv_lora_rank, block_n,
                                                               bwd_query_chunk, interpret, cost_q_offset)
+    check_row_gradients(row_gradients, resolve_platform(platform))
     if resolve_platform(platform) == "tpu":
         return tpu_sparse_mla_with_target(q, latent, indices, float(scale), layout, bwd_query_chunk, interpret,
                                           cost_q_offset)
     out, lse = sparse_mla_attention(q, latent, indices, scale=scale, kv_lora_rank=kv_lora_rank, block_n=block_n,
                                     bwd_query_chunk=bwd_query_chunk, interpret=interpret, platform="gpu",
-                                    cost_q_offset=cost_q_offset)
+                                    cost_q_offset=cost_q_offset, row_gradients=row_gradients)
     target = sparse_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(latent), indices,
                                      jax.lax.stop_gradient(lse), scale=scale, block_n=block_n, interpret=interpret,
                                      platform="gpu", cost_q_offset=cost_q_offset)

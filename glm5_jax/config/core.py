@@ -36,6 +36,7 @@ def require_finite_floats(config, prefix: str) -> None:
 
 ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
+ROW_GRADIENTS = ("scatter", "atomic")
 MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -145,6 +146,10 @@ class ModelConfig:
     # kernel over every visible row. One layer's sparse stage at 2048 tokens: 3-4x less roofline time; the
     # v6e-256 recipe turns it off (its whole step: 4% less HBM traffic but 3.5 GiB more temporaries, over 32 GB).
     flash_every_key: bool = True
+    # How the Triton (GPU) sparse MLA backward sums each selected row's gradients into d(latent): "scatter"
+    # (per-slot rows, then XLA's sort and scatter-add) or "atomic" (atomic adds in the kernel; no per-slot
+    # buffer). `pallas_kernels.sparse_mla_attention`'s row_gradients; the TPU kernels always scatter.
+    sparse_row_gradients: str = "scatter"
     moe_backend: str = "ragged"
     # Expert parallelism (moe_backend "ep"): 0 = dropless (buffers sized for the worst case); > 0 caps each
     # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.
@@ -264,10 +269,12 @@ class ModelConfig:
         for name in ("scan_layers", "flash_every_key"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be true or false")
+        if self.sparse_row_gradients == "atomic" and self.pallas_platform == "tpu":
+            _fail("sparse_row_gradients", self.sparse_row_gradients, "the TPU kernels scatter: use 'scatter'")
         if not self.moe_capacity_factor >= 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),
-                              ("moe_backend", MOE_BACKENDS),
+                              ("moe_backend", MOE_BACKENDS), ("sparse_row_gradients", ROW_GRADIENTS),
                               ("ep_transport", ("auto", "padded", "ragged")),
                               ("remat_policy", tuple(REMAT_POLICIES)), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES)):

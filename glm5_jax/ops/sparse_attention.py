@@ -29,7 +29,8 @@ from pallas_kernels.sparse_latent import sparse_latent_attention
 
 def _kernel_attention(q, rows, indices, config: ModelConfig, cost_q_offset: int | None = None):
     return sparse_mla_attention(q, rows, indices, scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
-                                cost_q_offset=cost_q_offset, **config.pallas_options)
+                                cost_q_offset=cost_q_offset, row_gradients=config.sparse_row_gradients,
+                                **config.pallas_options)
 
 
 def sparse_attention(q: jax.Array, rows: jax.Array, indices: jax.Array, *, config: ModelConfig, mesh=None,
@@ -101,7 +102,8 @@ def sparse_attention_with_target(q: jax.Array, rows: jax.Array, indices: jax.Arr
     def kernels(chip_offset, q, indices, rows):
         latent, _, target = sparse_mla_attention_with_target(
             q, rows, indices, scale=config.softmax_scale, kv_lora_rank=config.kv_lora_rank,
-            cost_q_offset=causal_cost_offset(chip_offset, rows.shape[1], q.shape[1]), **config.pallas_options)
+            cost_q_offset=causal_cost_offset(chip_offset, rows.shape[1], q.shape[1]),
+            row_gradients=config.sparse_row_gradients, **config.pallas_options)
         return latent, target
 
     return context_local(kernels, mesh, (q, indices), (rows,), local_rows=True)

@@ -47,6 +47,28 @@ def test_pallas_platform_is_validated():
         dataclasses.replace(pallas, pallas_platform="cuda").validate()
     assert pallas.pallas_options == dict(platform="tpu", interpret=False)
     assert dataclasses.replace(pallas, pallas_platform="auto").pallas_options == {}
+    with pytest.raises(ConfigError, match=r"sparse_row_gradients='atomic' is invalid: the TPU kernels scatter"):
+        dataclasses.replace(pallas, sparse_row_gradients="atomic").validate()
+    with pytest.raises(ConfigError, match=r"sparse_row_gradients='sorted' is invalid: must be one of"):
+        dataclasses.replace(pallas, sparse_row_gradients="sorted").validate()
+
+
+@pytest.mark.parametrize("indexer_mode", [None, "sparse"])
+def test_the_row_gradient_mode_reaches_the_sparse_kernels(indexer_mode, monkeypatch):
+    """`model.sparse_row_gradients` is what the Triton sparse MLA backward is asked for, in plain training and in
+    the sparse DSA stage (its numerics: tests/pallas_kernels/test_sparse_mla.py)."""
+    from glm5_jax.ops import sparse_attention
+
+    asked = []
+    for name in ("sparse_mla_attention", "sparse_mla_attention_with_target"):
+        kernel = getattr(sparse_attention, name)
+        monkeypatch.setattr(sparse_attention, name,
+                            lambda *a, _kernel=kernel, **k: asked.append(k["row_gradients"]) or _kernel(*a, **k))
+    config = dataclasses.replace(CONFIG, attention_backend="pallas", sparse_row_gradients="atomic").validate()
+    tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab_size)
+    jax.make_jaxpr(lambda p: forward(p, tokens, config=config, indexer_mode=indexer_mode).logits)(
+        init(config, jax.random.key(0)))
+    assert asked and set(asked) == {"atomic"}, asked
 
 
 @pytest.mark.slow

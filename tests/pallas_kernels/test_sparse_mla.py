@@ -161,10 +161,11 @@ def test_bad_input_is_rejected_before_compiling(change, message, entry):
     (dict(row_gradients="sorted"), r"row_gradients='sorted' is invalid: must be one of \('scatter', 'atomic'\)"),
     (dict(row_gradients="atomic", platform="tpu"), r"row_gradients='atomic' is Triton's \(GPU\) only"),
 ])
-def test_a_bad_row_gradient_mode_is_rejected_before_compiling(change, message):
+@pytest.mark.parametrize("entry", [sparse_mla_attention, sparse_mla_attention_with_target])
+def test_a_bad_row_gradient_mode_is_rejected_before_compiling(change, message, entry):
     with pytest.raises(ValueError, match=message):
-        sparse_mla_attention(jnp.zeros((1, 2, 4, 48)), jnp.zeros((1, 6, 48)), jnp.zeros((1, 2, 3), jnp.int32),
-                             scale=0.1, kv_lora_rank=32, block_n=16, **change)
+        entry(jnp.zeros((1, 2, 4, 48)), jnp.zeros((1, 6, 48)), jnp.zeros((1, 2, 3), jnp.int32), scale=0.1,
+              kv_lora_rank=32, block_n=16, **change)
 
 
 def test_atomic_row_gradients_equal_the_scattered_ones():

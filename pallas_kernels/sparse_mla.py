@@ -11,7 +11,9 @@ Backward (custom_vjp) runs over bounded query chunks: the kernel recomputes the 
 saved lse, accumulates dq per query, and writes each (query, slot) key/value gradient row [C+R] reduced
 over heads (summed in fp32, stored in the latent's dtype); those rows are scatter-added into fp32 d(latent)
 with `.at[].add` outside the kernel, chunk by chunk, so a row selected by many queries sums all its
-contributions and nothing of size S x T or S x N x (C+R) exists for the whole sequence.
+contributions and nothing of size S x T or S x N x (C+R) exists for the whole sequence. With
+row_gradients="atomic" the kernel instead adds each block's fp32 rows into fp32 d(latent) with atomic adds,
+over the whole sequence in one call (no per-slot rows, no scatter).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
     NEG_INF,
+    atomic_add_rows,
     check_cost_offset,
     check_positive_int,
     check_scale,
     dot_nn,
     dot_nt,
     dot_tn,
-    atomic_add_rows,
     gather_rows,
     pad_axis,
     resolve_interpret,
@@ -197,7 +199,7 @@ def _backward_kernel(q_c_ref, q_r_ref, idx_ref, k_c_ref, k_r_ref, do_ref, lse_re
         dq_c = tuple(acc + dot_nn(d_logits, k_part) for acc, k_part in zip(dq_c, k_c))
         dq_r = dq_r + dot_nn(d_logits, k_r)
         # Per-slot row gradients, already summed over heads: key part of all C+R columns plus value part,
-        # added in fp32 and stored in the latent's dtype.
+        # added in fp32; stored in the latent's dtype, or added atomically to fp32 d(latent).
         p_lo = p.astype(k_r.dtype)
         row_parts = [(dk_c_ref, cols, scale * dot_tn(d_logits, q_part) + dot_tn(p_lo, do_part))
                      for cols, q_part, do_part in zip(parts, q_c, d_out)]
@@ -231,7 +233,7 @@ def _backward_call(q_c, q_r, idx, k_c, k_r, d_out, lse, shift, *, scale, layout:
     if atomic_rows:
         accumulators = [jnp.zeros((batch, num_keys + 1, width), jnp.float32),
                         jnp.zeros((batch, num_keys + 1, rope), jnp.float32)]
-        aliases = {8: 2, 9: 3}
+        aliases = {8: 2, 9: 3}  # the zero accumulators (inputs 8, 9) become the row-gradient outputs
         row_specs = [pl.BlockSpec((None, num_keys + 1, width), lambda b, s: (b, 0, 0)),
                      pl.BlockSpec((None, num_keys + 1, rope), lambda b, s: (b, 0, 0))]
         row_outputs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in accumulators]

@@ -28,9 +28,10 @@ BASE_FLAGS = ("--xla_backend_optimization_level=0",)
 # step's compile (perf), on cores that the two xdist workers keep busy anyway.
 # ptxas without optimisations for the GPU compile tier (the CUDA plugin's AOT compiles; XLA:CPU ignores it): the
 # tests check what compiles, what kernels it holds and their shared memory, not the machine code's speed; 10% of
-# the CPU of a whole h200-16 step's compile.
+# the CPU of a whole h200-16 step's compile. And XLA's matmuls as library calls there instead of generated Triton
+# GEMM fusions (the Pallas kernels are Triton still): the GPU tier took 176 instead of 196 s of CPU (2026-12-04).
 OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
-                  "--xla_gpu_disable_gpuasm_optimizations=true")
+                  "--xla_gpu_disable_gpuasm_optimizations=true", "--xla_gpu_enable_triton_gemm=false")
 
 # Python's cyclic collector walks the whole heap (jax, torch and transformers are imported by then) in every
 # full collection, and tracing makes objects far faster than the default thresholds (700, 10, 10) expect: the

@@ -169,6 +169,7 @@ def time_scatter(args, rec: Recorder, data) -> None:
     q, latent, indices = data
     chunk = min(sparse_mla_module.backward_query_chunk(args.seq, indices.shape[-1], 2), args.seq)
     rows = indices[:, :chunk].reshape(1, -1)
+    rows = jnp.where(rows >= 0, rows, args.seq)  # unused slots out of range, dropped (as chunked_backward does)
     values = jax.random.normal(jax.random.key(1), (1, rows.shape[1], 576), jnp.bfloat16)
     acc = jnp.zeros((1, args.seq, 576), jnp.float32)
     scatter = jax.jit(_scatter_add_rows).lower(acc, rows, values).compile()

@@ -44,7 +44,9 @@ run_step 120 tiny_losses python3 benchmarks/gpu_tiny_losses.py --out "$OUT_FILE"
 # Training step of a ~1B-parameter GLM-5-shaped model (bf16, S = 4096) with the Pallas DSA kernels: compile time
 # (43 s on an H200's host), tokens/s and MFU against 989 TFLOP/s; it stops timing steps after --budget-s. (The jnp
 # DSA path beside it, `--attention-backend pallas,sparse`, was timed on 2026-12-04: the kernels 1.34x faster.)
-run_step 100 train_step python3 benchmarks/gpu_train_step.py --attention-backend pallas --budget-s 10 --out "$OUT_FILE"
+# Then two more steps under jax.profiler: each device timeline's busiest kernels and HLO ops ("step_profile" lines).
+run_step 100 train_step python3 benchmarks/gpu_train_step.py --attention-backend pallas --budget-s 10 \
+    --profile-steps 2 --out "$OUT_FILE"
 
 # The sparse MLA kernels as shipped against the backward that adds row gradients atomically (never timed) and
 # against the launch settings they replaced (2026-12-04 sweep: 1 forward stage and 4 backward warps, each timed

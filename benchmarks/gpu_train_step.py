@@ -13,14 +13,17 @@ bf16: 989). One JSON line per result on stdout and appended to --out; failures b
   PYTHONPATH=. python benchmarks/gpu_train_step.py --out "$OUT/gpu_check.jsonl"
   PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas,sparse   # kernels vs jnp DSA
   PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas --sparse-row-gradients atomic
+  PYTHONPATH=. python benchmarks/gpu_train_step.py --attention-backend pallas --profile-steps 2   # where time goes
   PYTHONPATH=. python benchmarks/gpu_train_step.py --smoke          # tiny shapes, any backend (CPU check)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.json_lines import emit
+from benchmarks.profile_summary import summarize
 from glm5_jax.config import ModelConfig, TrainConfig, load_model_config
 from glm5_jax.model import flops
 from glm5_jax.model.param_count import count_params
@@ -64,10 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the chip")
     parser.add_argument("--budget-s", type=float, default=45.0, help="stop timing steps after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seq 64) to check the script on CPU")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, trace this many steps and print where the device time went")
+    parser.add_argument("--profile-dir", default=None, help="keep the trace here (default: a temporary directory)")
     args = parser.parse_args(argv)
     for backend in (args.attention_backend or "").split(","):
         if backend and backend not in BACKENDS:
             parser.error(f"--attention-backend={backend!r} is invalid: choose from {', '.join(BACKENDS)}")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps={args.profile_steps} is invalid: must be >= 0")
     for field in ("batch", "seq", "steps"):
         if getattr(args, field) < 1:
             parser.error(f"--{field}={getattr(args, field)} is invalid: must be >= 1")
@@ -120,6 +129,8 @@ def run(args: argparse.Namespace, backend: str | None, params=None):
         state, metrics = compiled(state, b)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
+    if args.profile_steps:
+        state = profile(args, compiled, state, make_batch, config.attention_backend)
     tokens_per_s = batch * seq / statistics.median(times)
     per_token = flops.training_flops_per_token(config, seq)
     memory = jax.local_devices()[0].memory_stats() or {}
@@ -137,6 +148,22 @@ def run(args: argparse.Namespace, backend: str | None, params=None):
         "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),
     }, args.out)
     return untouched
+
+
+def profile(args, compiled, state, make_batch, backend: str):
+    """Traces args.profile_steps steps and emits one `step_profile` line per device timeline
+    (`profile_summary.summarize`); returns the state after them."""
+    batches = [make_batch() for _ in range(args.profile_steps)]
+    jax.block_until_ready(batches)
+    with contextlib.ExitStack() as stack:
+        trace_dir = args.profile_dir or stack.enter_context(tempfile.TemporaryDirectory())
+        with jax.profiler.trace(trace_dir):
+            for b in batches:
+                state, metrics = compiled(state, b)
+            jax.block_until_ready(metrics["loss"])
+        for record in summarize(trace_dir, args.profile_steps):
+            emit("step_profile", {"attention_backend": backend, **record}, args.out)
+    return state
 
 
 def main(argv=None) -> None:

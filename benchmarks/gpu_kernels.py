@@ -342,9 +342,12 @@ def measure_scaling(args, rec: Recorder, block_n: int) -> None:
             wi = jax.random.normal(keys[4], (1, q_len, args.index_heads), jnp.float32)
             select = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=topk, interpret=args.interpret))
             ms = timed_ms(select.lower(qi, ki, wi).compile(), qi, ki, wi, repeats=args.repeats)
+            # The same causal scores alone ([S, T] fp32 written whole): what the selection adds is the difference.
+            score = jax.jit(lambda a, b, c: indexer_scores(a, b, c, interpret=args.interpret))
+            scores_ms = timed_ms(score.lower(qi, ki, wi).compile(), qi, ki, wi, repeats=args.repeats)
             score_flops = 2 * q_len * q_len * args.index_heads * args.index_dim  # every tile is computed
             rec.emit(check="scaling", path="indexer_topk", seq=q_len, topk=topk, forward_ms=round(ms, 3),
-                     score_tflops=round(score_flops / ms / 1e9, 2))
+                     score_tflops=round(score_flops / ms / 1e9, 2), scores_alone_ms=round(scores_ms, 3))
 
 
 def main(argv=None) -> None:

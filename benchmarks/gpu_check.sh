@@ -25,7 +25,7 @@ run_step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/# gpu: /'
 
-# The caps below add up to 520 s, so the whole check ends within 9 minutes whatever hangs. Measured on an H200
+# The caps below add up to 530 s, so the whole check ends within 9 minutes whatever hangs. Measured on an H200
 # (2026-12-04, jax 0.11.2): the correctness pass takes ~85 s (mostly compiles), the tiny-model check 67 s, the 1B
 # step 43 s of compile and 5 steps, each sweep candidate ~15 s.
 # Kernels: every entry point against its jnp reference at GLM-5 head shapes (H 64, C 512, R 64, bf16; sparse
@@ -49,9 +49,9 @@ run_step 100 train_step python3 benchmarks/gpu_train_step.py --attention-backend
     --profile-steps 2 --out "$OUT_FILE"
 
 # The sparse MLA kernels as shipped against the backward that adds row gradients atomically (never timed) and
-# against the launch settings they replaced (2026-12-04 sweep: 1 forward stage and 4 backward warps, each timed
-# alone, 1.10x and 1.26x), at S = 8192.
-run_step 100 kernel_sweep python3 benchmarks/gpu_kernel_sweep.py --candidates shipped,bwd_atomic_rows,fwd_2_stages,bwd_8_warps \
-    --budget-s 70 --out "$OUT_FILE"
+# against the forward's old 2 stages (the 2026-12-04 sweep timed 1 forward stage and 4 backward warps apart, 1.10x
+# and 1.26x), then the indexer score kernel's key block and warps, at S = 8192.
+run_step 110 kernel_sweep python3 benchmarks/gpu_kernel_sweep.py --candidates shipped,bwd_atomic_rows,fwd_2_stages \
+    --indexer-candidates scores_shipped,scores_keys_128_8_warps,scores_keys_256_8_warps --budget-s 80 --out "$OUT_FILE"
 
 echo "# $(wc -l < "$OUT_FILE") JSON lines in $OUT_FILE"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import time
 
 import jax
@@ -32,10 +33,13 @@ from benchmarks.gpu_kernels import (
     sum_of_squares_grad,
     timed_ms,
 )
-from pallas_kernels import sparse_mla_attention
+from pallas_kernels import indexer_scores, indexer_topk, sparse_mla_attention
 from pallas_kernels._common import triton_params
 from pallas_kernels.gpu_targets import gpu_target_config
 from pallas_kernels.mla_layout import _scatter_add_rows
+
+# The module, not the package's `indexer_topk` function of the same name.
+indexer_module = importlib.import_module("pallas_kernels.indexer_topk")
 
 # name -> (block_n, forward (warps, stages) or None for the shipped plan, backward (warps, stages) or None,
 # row_gradients: how the backward sums row gradients, `sparse_mla_attention`'s argument).
@@ -55,6 +59,15 @@ CANDIDATES = {
     "fwd_block_128": (128, (8, 1), None, "scatter"),
     "fwd_16_warps": (64, (16, 1), None, "scatter"),
 }
+# The indexer's Triton score kernel (128 query-head rows x J 128 per program, keys streamed block_t at a time):
+# name -> (block_t, warps); the first ships. Timed alone and inside the top-k, at the same S = T.
+INDEXER_CANDIDATES = {
+    "scores_shipped": (64, 4),
+    "scores_8_warps": (64, 8),
+    "scores_keys_128": (128, 4),
+    "scores_keys_128_8_warps": (128, 8),
+    "scores_keys_256_8_warps": (256, 8),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,14 +76,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"from {', '.join(CANDIDATES)}")
+    parser.add_argument("--indexer-candidates", default="", help="score kernel settings to time after the sparse "
+                        f"MLA ones, from {', '.join(INDEXER_CANDIDATES)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=150.0, help="no candidate starts after this")
     parser.add_argument("--aot", default=None, help="compile for this GPU target (h100, h200) here, time nothing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     unknown = [name for name in args.candidates.split(",") if name not in CANDIDATES]
+    unknown += [name for name in filter(None, args.indexer_candidates.split(",")) if name not in INDEXER_CANDIDATES]
     if unknown:
-        parser.error(f"--candidates: unknown {unknown}; valid: {', '.join(CANDIDATES)}")
+        parser.error(f"unknown candidates {unknown}; valid: {', '.join([*CANDIDATES, *INDEXER_CANDIDATES])}")
     return args
 
 
@@ -105,6 +121,45 @@ def launch_settings(forward, backward):
             setattr(sparse_mla_module, name, fn)
 
 
+@contextlib.contextmanager
+def score_kernel_warps(warps: int):
+    """The indexer score kernel's Triton warps replaced inside the block."""
+    original = indexer_module.triton_params
+    indexer_module.triton_params = lambda *, num_warps, num_stages: triton_params(num_warps=warps,
+                                                                                  num_stages=num_stages)
+    try:
+        yield
+    finally:
+        indexer_module.triton_params = original
+
+
+def indexer_inputs(args):
+    keys = jax.random.split(jax.random.key(args.seq + 1), 3)
+    return (jax.random.normal(keys[0], (1, args.seq, 32, 128), jnp.bfloat16),
+            jax.random.normal(keys[1], (1, args.seq, 128), jnp.bfloat16),
+            jax.random.normal(keys[2], (1, args.seq, 32), jnp.float32))
+
+
+def time_indexer_candidate(args, rec: Recorder, name: str, data, reference):
+    """The causal index scores alone and the top-k (which runs the same kernel per query chunk) under one setting;
+    returns the top-k's indices for the next candidates to compare with."""
+    block_t, warps = INDEXER_CANDIDATES[name]
+    jax.clear_caches()
+    with score_kernel_warps(warps):
+        scores = jax.jit(lambda a, b, c: indexer_scores(a, b, c, block_t=block_t)).lower(*data).compile()
+        select = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=args.topk, block_t=block_t)[0]
+                         ).lower(*data).compile()
+    scores_ms = timed_ms(scores, *data, repeats=args.repeats)
+    topk_ms = timed_ms(select, *data, repeats=args.repeats)
+    indices = select(*data)
+    flops = 2 * args.seq * (args.seq + 1) / 2 * 32 * 128  # the causal half of the score tiles
+    same = {} if reference is None else {"indices_equal_first": bool(jnp.all(indices == reference))}
+    rec.emit(check="sweep_indexer", candidate=name, seq=args.seq, block_t=block_t, warps=warps,
+             scores_ms=round(scores_ms, 3), scores_tflops=round(flops / scores_ms / 1e9, 1),
+             topk_ms=round(topk_ms, 3), **same)
+    return indices
+
+
 def inputs(args):
     keys = jax.random.split(jax.random.key(args.seq), 2)
     q = jax.random.normal(keys[0], (1, args.seq, args.heads, 576), jnp.bfloat16)
@@ -112,27 +167,48 @@ def inputs(args):
     return q, latent, strided_causal_indices(args.seq, min(args.topk, args.seq))
 
 
-def compile_only(args, rec: Recorder, name: str) -> None:
-    """Lower and compile the candidate's forward+backward for args.aot here (no GPU): does it fit?"""
-    block_n, forward, backward, row_gradients = CANDIDATES[name]
-    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(args.aot),
+def aot_sharding(target: str) -> NamedSharding:
+    """Replicated on one compile-only `target` GPU described by the CUDA plugin (no GPU needed)."""
+    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target),
                                            topology="1x1x1").devices
-    sharding = NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
-    q, latent, indices = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in
-                          (jax.ShapeDtypeStruct((1, args.seq, args.heads, 576), jnp.bfloat16),
-                           jax.ShapeDtypeStruct((1, args.seq, 576), jnp.bfloat16),
-                           jax.ShapeDtypeStruct((1, args.seq, args.topk), jnp.int32)))
+    return NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
+
+
+def compile_for(target: str, fn, shapes) -> float:
+    """Seconds to lower and compile fn over abstract `shapes` (ShapeDtypeStructs) for `target`."""
+    sharding = aot_sharding(target)
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in shapes]
+    start = time.perf_counter()
+    with jax.default_device(sharding.mesh.devices.flat[0]):  # Triton kernels are built for the default device
+        jax.jit(fn).trace(*args).lower().compile()
+    return time.perf_counter() - start
+
+
+def compile_only(args, rec: Recorder, name: str) -> None:
+    """Compile the candidate's forward+backward for args.aot here (no GPU): does it fit?"""
+    block_n, forward, backward, row_gradients = CANDIDATES[name]
 
     def loss(q, latent, indices):
         out = sparse_mla_attention(q, latent, indices, scale=576 ** -0.5, kv_lora_rank=512, block_n=block_n,
                                    platform="gpu", row_gradients=row_gradients)[0]
         return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
-    start = time.perf_counter()
-    with launch_settings(forward, backward), jax.default_device(devices[0]):
-        jax.jit(jax.grad(loss, argnums=(0, 1))).trace(q, latent, indices).lower().compile()
-    rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True,
-             compile_s=round(time.perf_counter() - start, 1))
+    shapes = [jax.ShapeDtypeStruct((1, args.seq, args.heads, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, args.seq, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, args.seq, args.topk), jnp.int32)]
+    with launch_settings(forward, backward):
+        seconds = compile_for(args.aot, jax.grad(loss, argnums=(0, 1)), shapes)
+    rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True, compile_s=round(seconds, 1))
+
+
+def compile_indexer_only(args, rec: Recorder, name: str) -> None:
+    """Compile the indexer top-k under a score kernel setting for args.aot here."""
+    block_t, warps = INDEXER_CANDIDATES[name]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.eval_shape(lambda: indexer_inputs(args))]
+    with score_kernel_warps(warps):
+        seconds = compile_for(args.aot, lambda a, b, c: indexer_topk(a, b, c, topk=args.topk, block_t=block_t,
+                                                                      platform="gpu"), shapes)
+    rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True, compile_s=round(seconds, 1))
 
 
 def time_candidate(args, rec: Recorder, name: str, data, reference) -> tuple:
@@ -183,10 +259,14 @@ def main(argv=None) -> None:
     rec = Recorder(args.out)
     start = time.perf_counter()
     names = args.candidates.split(",")
+    indexer_names = list(filter(None, args.indexer_candidates.split(",")))
     if args.aot:
         for name in names:
             with rec.guard("sweep_aot", candidate=name):
                 compile_only(args, rec, name)
+        for name in indexer_names:
+            with rec.guard("sweep_aot", candidate=name):
+                compile_indexer_only(args, rec, name)
         return
     rec.emit(check="environment", jax=jax.__version__, device=jax.devices()[0].device_kind)
     data = inputs(args)
@@ -200,6 +280,14 @@ def main(argv=None) -> None:
             reference = result if reference is None else reference
     with rec.guard("sweep_scatter"):
         time_scatter(args, rec, data)
+    reference = None
+    for name in indexer_names:
+        if time.perf_counter() - start > args.budget_s:
+            rec.emit(check="sweep_indexer", candidate=name, skipped="time budget spent")
+            continue
+        with rec.guard("sweep_indexer", candidate=name):
+            indices = time_indexer_candidate(args, rec, name, indexer_inputs(args), reference)
+            reference = indices if reference is None else reference
 
 
 if __name__ == "__main__":

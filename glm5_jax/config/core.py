@@ -36,7 +36,7 @@ def require_finite_floats(config, prefix: str) -> None:
 
 ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
-ROW_GRADIENTS = ("scatter", "atomic")
+ROW_GRADIENTS = ("scatter", "atomic")  # pallas_kernels.sparse_mla's (config sits below the kernels' layer)
 MOE_BACKENDS = ("reference", "ragged", "ep")
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")

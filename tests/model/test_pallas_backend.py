@@ -51,6 +51,10 @@ def test_pallas_platform_is_validated():
         dataclasses.replace(pallas, sparse_row_gradients="atomic").validate()
     with pytest.raises(ConfigError, match=r"sparse_row_gradients='sorted' is invalid: must be one of"):
         dataclasses.replace(pallas, sparse_row_gradients="sorted").validate()
+    from glm5_jax.config import core
+    from pallas_kernels import sparse_mla
+
+    assert core.ROW_GRADIENTS == sparse_mla.ROW_GRADIENTS
 
 
 @pytest.mark.parametrize("indexer_mode", [None, "sparse"])

@@ -48,10 +48,11 @@ run_step 120 tiny_losses python3 benchmarks/gpu_tiny_losses.py --out "$OUT_FILE"
 run_step 100 train_step python3 benchmarks/gpu_train_step.py --attention-backend pallas --budget-s 10 \
     --profile-steps 2 --out "$OUT_FILE"
 
-# The sparse MLA kernels as shipped against the backward that adds row gradients atomically (never timed) and
-# against the forward's old 2 stages (the 2026-12-04 sweep timed 1 forward stage and 4 backward warps apart, 1.10x
-# and 1.26x), then the indexer score kernel's key block and warps, at S = 8192.
-run_step 110 kernel_sweep python3 benchmarks/gpu_kernel_sweep.py --candidates shipped,bwd_atomic_rows,fwd_2_stages \
-    --indexer-candidates scores_shipped,scores_keys_128_8_warps,scores_keys_256_8_warps --budget-s 80 --out "$OUT_FILE"
+# At S = 8192: the sparse MLA kernels as shipped (1 forward stage, 4 backward warps: 80.4 ms fwd+bwd before, on
+# 2026-12-04) and with the backward that adds row gradients atomically (never timed); then the indexer score
+# kernel's key block and warps, and the sparse KL target kernel's warps and stages.
+run_step 110 kernel_sweep python3 benchmarks/gpu_kernel_sweep.py --candidates shipped,bwd_atomic_rows \
+    --indexer-candidates scores_shipped,scores_keys_128_8_warps,scores_keys_256_8_warps \
+    --target-candidates target_shipped,target_1_stage,target_4_warps --budget-s 85 --out "$OUT_FILE"
 
 echo "# $(wc -l < "$OUT_FILE") JSON lines in $OUT_FILE"

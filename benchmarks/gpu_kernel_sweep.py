@@ -1,5 +1,6 @@
-"""Launch settings of the Triton sparse MLA kernels on one GPU: warps, pipeline stages, rows per step and how the
-backward sums row gradients (per-slot rows + XLA scatter, or atomic adds in the kernel).
+"""Launch settings of the Triton DSA kernels on one GPU: the sparse MLA kernels' warps, pipeline stages, rows per step
+and how their backward sums row gradients (per-slot rows + XLA scatter, or atomic adds in the kernel); the indexer
+score kernel's keys per step and warps (`--indexer-candidates`); the sparse KL target's (`--target-candidates`).
 
 The shipped settings (`mla_layout.kernel_warps`, `SPARSE_MLA_FORWARD_STAGES`, `SPARSE_MLA_BACKWARD_WARPS`, the
 blocks of `gather_kernel_plan` and `backward_plan`) were chosen by this sweep on an H200 (BENCHMARKS.md). It
@@ -33,13 +34,14 @@ from benchmarks.gpu_kernels import (
     sum_of_squares_grad,
     timed_ms,
 )
-from pallas_kernels import indexer_scores, indexer_topk, sparse_mla_attention
+from pallas_kernels import indexer_scores, indexer_topk, sparse_attention_target, sparse_mla_attention
 from pallas_kernels._common import triton_params
 from pallas_kernels.gpu_targets import gpu_target_config
 from pallas_kernels.mla_layout import _scatter_add_rows
 
-# The module, not the package's `indexer_topk` function of the same name.
+# The modules, not the package's functions of the same names.
 indexer_module = importlib.import_module("pallas_kernels.indexer_topk")
+target_module = importlib.import_module("pallas_kernels.indexer_kl_target")
 
 # name -> (block_n, forward (warps, stages) or None for the shipped plan, backward (warps, stages) or None,
 # row_gradients: how the backward sums row gradients, `sparse_mla_attention`'s argument).
@@ -68,6 +70,13 @@ INDEXER_CANDIDATES = {
     "scores_keys_128_8_warps": (128, 8),
     "scores_keys_256_8_warps": (256, 8),
 }
+# The sparse KL target's Triton kernel (the DSA sparse stage's; it gathers rows like the sparse MLA forward):
+# name -> (warps, pipeline stages or None for its plan's); the first ships.
+TARGET_CANDIDATES = {
+    "target_shipped": (8, None),
+    "target_1_stage": (8, 1),
+    "target_4_warps": (4, None),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"from {', '.join(CANDIDATES)}")
     parser.add_argument("--indexer-candidates", default="", help="score kernel settings to time after the sparse "
                         f"MLA ones, from {', '.join(INDEXER_CANDIDATES)}")
+    parser.add_argument("--target-candidates", default="", help="sparse KL target kernel settings to time last, "
+                        f"from {', '.join(TARGET_CANDIDATES)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=150.0, help="no candidate starts after this")
     parser.add_argument("--aot", default=None, help="compile for this GPU target (h100, h200) here, time nothing")
@@ -85,8 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     unknown = [name for name in args.candidates.split(",") if name not in CANDIDATES]
     unknown += [name for name in filter(None, args.indexer_candidates.split(",")) if name not in INDEXER_CANDIDATES]
+    unknown += [name for name in filter(None, args.target_candidates.split(",")) if name not in TARGET_CANDIDATES]
     if unknown:
-        parser.error(f"unknown candidates {unknown}; valid: {', '.join([*CANDIDATES, *INDEXER_CANDIDATES])}")
+        valid = [*CANDIDATES, *INDEXER_CANDIDATES, *TARGET_CANDIDATES]
+        parser.error(f"unknown candidates {unknown}; valid: {', '.join(valid)}")
     return args
 
 
@@ -122,15 +135,18 @@ def launch_settings(forward, backward):
 
 
 @contextlib.contextmanager
-def score_kernel_warps(warps: int):
-    """The indexer score kernel's Triton warps replaced inside the block."""
-    original = indexer_module.triton_params
-    indexer_module.triton_params = lambda *, num_warps, num_stages: triton_params(num_warps=warps,
-                                                                                  num_stages=num_stages)
+def kernel_launch(module, warps: int, stages: int | None = None):
+    """A kernel module's Triton warps (and stages, unless None) replaced inside the block."""
+    original = module.triton_params
+
+    def params(*, num_warps, num_stages):
+        return triton_params(num_warps=warps, num_stages=num_stages if stages is None else stages)
+
+    module.triton_params = params
     try:
         yield
     finally:
-        indexer_module.triton_params = original
+        module.triton_params = original
 
 
 def indexer_inputs(args):
@@ -145,7 +161,7 @@ def time_indexer_candidate(args, rec: Recorder, name: str, data, reference):
     returns the top-k's indices for the next candidates to compare with."""
     block_t, warps = INDEXER_CANDIDATES[name]
     jax.clear_caches()
-    with score_kernel_warps(warps):
+    with kernel_launch(indexer_module, warps):
         scores = jax.jit(lambda a, b, c: indexer_scores(a, b, c, block_t=block_t)).lower(*data).compile()
         select = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=args.topk, block_t=block_t)[0]
                          ).lower(*data).compile()
@@ -158,6 +174,28 @@ def time_indexer_candidate(args, rec: Recorder, name: str, data, reference):
              scores_ms=round(scores_ms, 3), scores_tflops=round(flops / scores_ms / 1e9, 1),
              topk_ms=round(topk_ms, 3), **same)
     return indices
+
+
+def target_inputs(args, data):
+    """The sparse MLA inputs and the lse of their forward, which the target kernel takes."""
+    q, latent, indices = data
+    lse = jax.jit(lambda a, b: sparse_mla_attention(a, b, indices, scale=576 ** -0.5, kv_lora_rank=512)[1])(q, latent)
+    return q, latent, indices, lse
+
+
+def time_target_candidate(args, rec: Recorder, name: str, data, reference):
+    """The sparse KL target under one launch setting; returns it for the next candidates to compare with."""
+    warps, stages = TARGET_CANDIDATES[name]
+    jax.clear_caches()
+    with kernel_launch(target_module, warps, stages):
+        target = jax.jit(lambda q, l, i, s: sparse_attention_target(q, l, i, s, scale=576 ** -0.5)
+                         ).lower(*data).compile()
+    ms = timed_ms(target, *data, repeats=args.repeats)
+    result = target(*data)
+    same = {} if reference is None else {"target_vs_first": relative_error(result, reference)}
+    rec.emit(check="sweep_target", candidate=name, seq=args.seq, warps=warps, stages=stages, target_ms=round(ms, 3),
+             **same)
+    return result
 
 
 def inputs(args):
@@ -201,11 +239,24 @@ def compile_only(args, rec: Recorder, name: str) -> None:
     rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True, compile_s=round(seconds, 1))
 
 
+def compile_target_only(args, rec: Recorder, name: str) -> None:
+    """Compile the sparse KL target under a launch setting for args.aot here."""
+    warps, stages = TARGET_CANDIDATES[name]
+    shapes = [jax.ShapeDtypeStruct((1, args.seq, args.heads, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, args.seq, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((1, args.seq, args.topk), jnp.int32),
+              jax.ShapeDtypeStruct((1, args.seq, args.heads), jnp.float32)]
+    with kernel_launch(target_module, warps, stages):
+        seconds = compile_for(args.aot, lambda q, l, i, s: sparse_attention_target(q, l, i, s, scale=576 ** -0.5,
+                                                                                 platform="gpu"), shapes)
+    rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True, compile_s=round(seconds, 1))
+
+
 def compile_indexer_only(args, rec: Recorder, name: str) -> None:
     """Compile the indexer top-k under a score kernel setting for args.aot here."""
     block_t, warps = INDEXER_CANDIDATES[name]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.eval_shape(lambda: indexer_inputs(args))]
-    with score_kernel_warps(warps):
+    with kernel_launch(indexer_module, warps):
         seconds = compile_for(args.aot, lambda a, b, c: indexer_topk(a, b, c, topk=args.topk, block_t=block_t,
                                                                       platform="gpu"), shapes)
     rec.emit(check="sweep_aot", target=args.aot, candidate=name, compiled=True, compile_s=round(seconds, 1))
@@ -260,6 +311,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     names = args.candidates.split(",")
     indexer_names = list(filter(None, args.indexer_candidates.split(",")))
+    target_names = list(filter(None, args.target_candidates.split(",")))
     if args.aot:
         for name in names:
             with rec.guard("sweep_aot", candidate=name):
@@ -267,6 +319,9 @@ def main(argv=None) -> None:
         for name in indexer_names:
             with rec.guard("sweep_aot", candidate=name):
                 compile_indexer_only(args, rec, name)
+        for name in target_names:
+            with rec.guard("sweep_aot", candidate=name):
+                compile_target_only(args, rec, name)
         return
     rec.emit(check="environment", jax=jax.__version__, device=jax.devices()[0].device_kind)
     data = inputs(args)
@@ -288,6 +343,14 @@ def main(argv=None) -> None:
         with rec.guard("sweep_indexer", candidate=name):
             indices = time_indexer_candidate(args, rec, name, indexer_inputs(args), reference)
             reference = indices if reference is None else reference
+    reference = None
+    for name in target_names:
+        if time.perf_counter() - start > args.budget_s:
+            rec.emit(check="sweep_target", candidate=name, skipped="time budget spent")
+            continue
+        with rec.guard("sweep_target", candidate=name):
+            target = time_target_candidate(args, rec, name, target_inputs(args, data), reference)
+            reference = target if reference is None else reference
 
 
 if __name__ == "__main__":

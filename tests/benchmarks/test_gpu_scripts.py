@@ -29,7 +29,7 @@ def test_the_profile_summary_names_a_directory_without_a_trace(tmp_path):
 
 
 def test_the_kernel_sweep_patches_names_the_kernels_still_have():
-    """The sweep replaces module globals to try launch settings (`launch_settings`, `score_kernel_warps`): a rename
+    """The sweep replaces module globals to try launch settings (`launch_settings`, `kernel_launch`): a rename
     in the kernels would otherwise surface only as an error line on a lent GPU. (Its candidates run in interpret
     mode in ~40 s, too long for the suite: `python benchmarks/gpu_kernel_sweep.py --seq 128 --topk 32 --heads 2`.)"""
     import importlib
@@ -39,6 +39,7 @@ def test_the_kernel_sweep_patches_names_the_kernels_still_have():
     sparse_mla = importlib.import_module("pallas_kernels.sparse_mla")
     assert all(callable(getattr(sparse_mla, name)) for name in ("_forward_call", "_backward_call", "triton_params"))
     assert callable(gpu_kernel_sweep.indexer_module.triton_params)
+    assert callable(gpu_kernel_sweep.target_module.triton_params)
     assert set(gpu_kernel_sweep.parse_args([]).candidates.split(",")) == set(gpu_kernel_sweep.CANDIDATES)
     with pytest.raises(SystemExit):
         gpu_kernel_sweep.parse_args(["--indexer-candidates", "scores_fast"])

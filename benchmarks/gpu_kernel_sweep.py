@@ -305,6 +305,18 @@ def time_scatter(args, rec: Recorder, data) -> None:
              sequence_ms=round(chunk_ms * -(-args.seq // chunk), 2))
 
 
+def time_group(args, rec: Recorder, start: float, check: str, names, timer, data) -> None:
+    """Times each named candidate in turn, each compared with the group's first, until the budget is spent."""
+    reference = None
+    for name in names:
+        if time.perf_counter() - start > args.budget_s:
+            rec.emit(check=check, candidate=name, skipped="time budget spent")
+            continue
+        with rec.guard(check, candidate=name):
+            result = timer(args, rec, name, data, reference)
+            reference = result if reference is None else reference
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rec = Recorder(args.out)
@@ -313,44 +325,21 @@ def main(argv=None) -> None:
     indexer_names = list(filter(None, args.indexer_candidates.split(",")))
     target_names = list(filter(None, args.target_candidates.split(",")))
     if args.aot:
-        for name in names:
-            with rec.guard("sweep_aot", candidate=name):
-                compile_only(args, rec, name)
-        for name in indexer_names:
-            with rec.guard("sweep_aot", candidate=name):
-                compile_indexer_only(args, rec, name)
-        for name in target_names:
-            with rec.guard("sweep_aot", candidate=name):
-                compile_target_only(args, rec, name)
+        for compile_one, group in ((compile_only, names), (compile_indexer_only, indexer_names),
+                                   (compile_target_only, target_names)):
+            for name in group:
+                with rec.guard("sweep_aot", candidate=name):
+                    compile_one(args, rec, name)
         return
     rec.emit(check="environment", jax=jax.__version__, device=jax.devices()[0].device_kind)
     data = inputs(args)
-    reference = None
-    for name in names:
-        if time.perf_counter() - start > args.budget_s:
-            rec.emit(check="sweep", candidate=name, skipped="time budget spent")
-            continue
-        with rec.guard("sweep", candidate=name):
-            result = time_candidate(args, rec, name, data, reference)
-            reference = result if reference is None else reference
+    time_group(args, rec, start, "sweep", names, time_candidate, data)
     with rec.guard("sweep_scatter"):
         time_scatter(args, rec, data)
-    reference = None
-    for name in indexer_names:
-        if time.perf_counter() - start > args.budget_s:
-            rec.emit(check="sweep_indexer", candidate=name, skipped="time budget spent")
-            continue
-        with rec.guard("sweep_indexer", candidate=name):
-            indices = time_indexer_candidate(args, rec, name, indexer_inputs(args), reference)
-            reference = indices if reference is None else reference
-    reference = None
-    for name in target_names:
-        if time.perf_counter() - start > args.budget_s:
-            rec.emit(check="sweep_target", candidate=name, skipped="time budget spent")
-            continue
-        with rec.guard("sweep_target", candidate=name):
-            target = time_target_candidate(args, rec, name, target_inputs(args, data), reference)
-            reference = target if reference is None else reference
+    if indexer_names:
+        time_group(args, rec, start, "sweep_indexer", indexer_names, time_indexer_candidate, indexer_inputs(args))
+    if target_names:
+        time_group(args, rec, start, "sweep_target", target_names, time_target_candidate, target_inputs(args, data))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ A GPU's profile has one plane per device ("/device:GPU:0") whose lines are timel
 program run), "XLA Ops" (one per HLO op: fusions, custom calls such as the Pallas kernels, collectives) and the
 CUDA streams (one per kernel or copy). Each line's events are summed by name (top `top`, with their count, time per
 traced step, share of the line's busy time, and the first event's profiler stats, which name the HLO op and the
-JAX operation that made it). Without a device plane (a CPU run) the host plane's XLA thread pools stand in, which
-checks this script rather than measuring anything.
+JAX operation that made it). Without a device plane (a CPU run) the host plane's threads stand in, which checks
+this script rather than measuring anything.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def xplane_file(trace_dir: str | Path) -> Path:
 
 
 def _timelines(data: ProfileData):
-    """(plane name, line) for every line of the device planes, or of the host plane's XLA threads if none."""
+    """(plane name, line) for every line of the device planes, or of the host plane if there is none (on CPU a
+    small program may run on XLA's threads or on the calling Python thread)."""
     planes = [plane for plane in data.planes if plane.name.startswith(DEVICE_PREFIX)]
-    if planes:
-        return [(plane.name, line) for plane in planes for line in plane.lines]
-    host = [plane for plane in data.planes if plane.name == HOST_PLANE]
-    return [(plane.name, line) for plane in host for line in plane.lines if line.name != "python"]
+    planes = planes or [plane for plane in data.planes if plane.name == HOST_PLANE]
+    return [(plane.name, line) for plane in planes for line in plane.lines]
 
 
 def summarize(trace_dir: str | Path, steps: int, top: int = 25) -> list[dict]:

@@ -4,8 +4,9 @@ profile summary of a traced program, and the kernel sweep's hooks into the kerne
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.profiler import ProfileData
 
-from benchmarks.profile_summary import summarize
+from benchmarks.profile_summary import summarize, xplane_file
 
 
 def test_the_profile_summary_sums_a_traced_programs_events_by_name(tmp_path):
@@ -16,11 +17,14 @@ def test_the_profile_summary_sums_a_traced_programs_events_by_name(tmp_path):
         for _ in range(2):
             step(x).block_until_ready()
     records = summarize(tmp_path, steps=2, top=3)
-    assert records, "no timeline with events"
+    planes = [(plane.name, [(line.name, len(list(line.events))) for line in plane.lines])
+              for plane in ProfileData.from_file(str(xplane_file(tmp_path))).planes]
+    assert records, f"no timeline with events: {planes}"
     for record in records:
         assert record["busy_ms_per_step"] > 0 and 1 <= len(record["top"]) <= 3
         times = [entry["ms_per_step"] for entry in record["top"]]
-        assert times == sorted(times, reverse=True) and sum(e["share"] for e in record["top"]) <= 1 + 1e-6
+        assert times == sorted(times, reverse=True)
+        assert sum(entry["share"] for entry in record["top"]) <= 1 + 1e-3  # each share is rounded
 
 
 def test_the_profile_summary_names_a_directory_without_a_trace(tmp_path):

@@ -32,7 +32,9 @@ def xplane_file(trace_dir: str | Path) -> Path:
 def _timelines(data: ProfileData):
     """(plane name, line) for every line of the device planes, or of the host plane if there is none (on CPU a
     small program may run on XLA's threads or on the calling Python thread)."""
-    planes = [plane for plane in data.planes if plane.name.startswith(DEVICE_PREFIX)]
+    # Device planes with events: libtpu, once loaded (the TPU compile tests), adds an empty "/device:CUSTOM:...".
+    planes = [plane for plane in data.planes if plane.name.startswith(DEVICE_PREFIX)
+              and any(True for line in plane.lines for _ in line.events)]
     planes = planes or [plane for plane in data.planes if plane.name == HOST_PLANE]
     return [(plane.name, line) for plane in planes for line in plane.lines]
 

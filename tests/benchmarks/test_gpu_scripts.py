@@ -27,6 +27,21 @@ def test_the_profile_summary_sums_a_traced_programs_events_by_name(tmp_path):
         assert sum(entry["share"] for entry in record["top"]) <= 1 + 1e-3  # each share is rounded
 
 
+def test_device_planes_without_events_leave_the_host_standing_in():
+    """Once libtpu is loaded (the TPU compile tests), a CPU trace holds an empty "/device:CUSTOM:Megascale Trace"
+    plane; a GPU's holds "/device:GPU:0" with its streams, which then stand alone."""
+    from types import SimpleNamespace as Plane
+
+    from benchmarks.profile_summary import _timelines
+
+    event = Plane(name="fusion", duration_ns=5, stats=[])
+    host = Plane(name="/host:CPU", lines=[Plane(name="python", events=[event])])
+    empty = Plane(name="/device:CUSTOM:Megascale Trace", lines=[])
+    gpu = Plane(name="/device:GPU:0", lines=[Plane(name="XLA Ops", events=[event])])
+    assert [(plane, line.name) for plane, line in _timelines(Plane(planes=[empty, host]))] == [("/host:CPU", "python")]
+    assert [plane for plane, _ in _timelines(Plane(planes=[empty, host, gpu]))] == ["/device:GPU:0"]
+
+
 def test_the_profile_summary_names_a_directory_without_a_trace(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.xplane.pb under"):
         summarize(tmp_path, steps=1)

@@ -3,11 +3,13 @@
 1. correctness at a small GLM-5-shaped size (H=64, C=512, R=64, bf16) against the jnp references, for
    each block_n in --block-ns (which also shows which tile sizes compile): out / lse / dq / dlatent
    errors, indexer scores and their q / k / weights gradients, indexer top-k equality on exact (dyadic)
-   scores and against the top-k of the kernel's own scores (`indexer_topk_checks`), KL-target errors;
+   scores and against the top-k of the kernel's own scores (`indexer_topk_checks`), KL-target errors, and the
+   Triton flash attention over every visible key (out / dq / dk / dv, 64 heads of --flash-head-dim);
 2. scaling at S = T in --seqs with N = --topk selected rows: forward and forward+backward time of the Pallas
    sparse attention, of cuDNN's causal flash attention in MLA's expanded form (64 heads of 256: the dense
-   baseline a GPU trainer would use) and of dense causal latent attention over all keys (XLA, query-chunked
-   and rematerialised so it fits), plus the indexer top-k forward; each with achieved TFLOP/s.
+   baseline a GPU trainer would use), of jax's Triton flash attention on the same inputs (what the model runs
+   where the top-k keeps every key) and of dense causal latent attention over all keys (XLA, query-chunked and
+   rematerialised so it fits), plus the indexer top-k forward; each with achieved TFLOP/s.
 
 TFLOP/s counts useful matmul FLOPs per attended (query, key, head) triple (`attention_flops`): forward
 2(C+R) + 2C, backward 6(C+R) + 4C; sparse attends the valid selected slots, dense the S(S+1)/2 causal
@@ -35,12 +37,14 @@ from jax import lax
 
 from pallas_kernels import (
     NEG_INF,
+    causal_flash_attention,
     dense_attention_target,
     indexer_scores,
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
 )
+from pallas_kernels.gpu_flash_attention import triton_flash_plan
 from pallas_kernels.reference import (
     dense_attention_target_reference,
     indexer_scores_reference,
@@ -51,7 +55,7 @@ from pallas_kernels.reference import (
 )
 
 START = time.perf_counter()
-PATHS = ("pallas_sparse", "dense_flash", "indexer_topk", "dense_xla")
+PATHS = ("pallas_sparse", "dense_flash", "pallas_flash", "indexer_topk", "dense_xla")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,11 +72,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check-seq", type=int, default=1024)
     parser.add_argument("--dense-chunk", type=int, default=256, help="queries per step of the dense baseline")
     parser.add_argument("--paths", default="pallas_sparse,dense_flash,indexer_topk,dense_xla",
-                        help="scaling paths to time (dense_flash: cuDNN flash attention, expanded form)")
+                        help="scaling paths to time (dense_flash: cuDNN flash attention, expanded form; "
+                             "pallas_flash: jax's Triton flash attention as the model runs it where the top-k "
+                             "keeps every key)")
     parser.add_argument("--flash-head-dim", type=int, default=256, help="dense_flash's query-key and value head dim")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU smoke run)")
+    parser.add_argument("--no-correctness", action="store_true",
+                        help="time only (the first --block-ns value): the correctness pass ran in another call")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.paths.split(",")) - set(PATHS))
     if unknown:
@@ -244,6 +252,34 @@ def indexer_topk_checks(args, q_len: int, topk: int) -> dict:
     return result
 
 
+def flash_errors(args, q_len: int) -> dict[str, float]:
+    """Relative errors of the Triton flash attention (bf16, causal, two packed segments) and of its q / k / v
+    gradients against fp32 masked attention."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    shape = (1, q_len, args.heads, args.flash_head_dim)
+    q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    segments = jnp.where(jnp.arange(q_len) < q_len // 3, 1, 2)[None]
+    scale = args.flash_head_dim ** -0.5
+
+    def reference(q, k, v):
+        logits = jnp.einsum("BSHD,BTHD->BHST", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+        position = jnp.arange(q_len)
+        allowed = (position[None, :] <= position[:, None]) & (segments[0][:, None] == segments[0][None, :])
+        probs = jax.nn.softmax(jnp.where(allowed, logits, NEG_INF), axis=-1)
+        return jnp.einsum("BHST,BTHD->BSHD", probs, v.astype(jnp.float32))
+
+    def run(fn):
+        @jax.jit
+        def go(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return (out, *vjp(d_out.astype(out.dtype)))
+        return go(q, k, v)
+
+    got = run(lambda q, k, v: causal_flash_attention(q, k, v, segments, scale=scale, interpret=args.interpret))
+    want = run(reference)
+    return {f"flash_{name}": relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
 def check_correctness(args, rec: Recorder, block_n: int) -> bool:
     """Kernels against references at --check-seq; True when everything is within bf16 tolerance."""
     c_dim, r_dim, heads, q_len = args.kv_lora_rank, args.rope_dim, args.heads, args.check_seq
@@ -275,6 +311,7 @@ def check_correctness(args, rec: Recorder, block_n: int) -> bool:
     dense = jax.jit(lambda q, l: dense_attention_target(q, l, scale=scale, interpret=args.interpret))(q, latent)
     errors["dense_target"] = relative_error(dense, dense_attention_target_reference(q, latent, scale=scale))
     errors.update(indexer_score_errors(args, q_len))
+    errors.update(flash_errors(args, q_len))
     topk_checks = indexer_topk_checks(args, q_len, topk)
     indices_equal = topk_checks["exact_indices_equal"] and topk_checks["own_scores_indices_equal"]
     passed = all(v < 2e-2 for v in errors.values()) and indices_equal
@@ -302,12 +339,15 @@ def measure_scaling(args, rec: Recorder, block_n: int) -> None:
             "dense_xla": (functools.partial(dense_causal_attention, scale=scale, kv_lora_rank=c_dim,
                                             chunk=min(args.dense_chunk, q_len)), dense_triples, *absorbed),
         }
-        if "dense_flash" in args.paths.split(","):
-            width = args.flash_head_dim
-            q_e = jax.random.normal(keys[2], (1, q_len, heads, width), jnp.bfloat16)
-            kv_e = jax.random.normal(keys[3], (2, 1, q_len, heads, width), jnp.bfloat16)
-            paths["dense_flash"] = (functools.partial(flash_attention, implementation=flash_implementation()),
-                                    dense_triples, (q_e, kv_e), (width, 0))
+        width = args.flash_head_dim
+        q_e = jax.random.normal(keys[2], (1, q_len, heads, width), jnp.bfloat16)
+        kv_e = jax.random.normal(keys[3], (2, 1, q_len, heads, width), jnp.bfloat16)
+        paths["dense_flash"] = (functools.partial(flash_attention, implementation=flash_implementation()),
+                                dense_triples, (q_e, kv_e), (width, 0))
+        segments = jnp.ones((1, q_len), jnp.int32)
+        paths["pallas_flash"] = (lambda q, kv: causal_flash_attention(q, kv[0], kv[1], segments, scale=width ** -0.5,
+                                                                      interpret=args.interpret),
+                                 dense_triples, (q_e, kv_e), (width, 0))
         wanted = args.paths.split(",")
         for name in (path for path in wanted if path in paths):  # in the order asked for: the budget may run out
             fn, triples, inputs, (value_dim, extra_key_dim) = paths[name]
@@ -325,6 +365,10 @@ def measure_scaling(args, rec: Recorder, block_n: int) -> None:
                 tile = {"block_n": block_n} if name == "pallas_sparse" else {}
                 if name == "dense_flash":
                     tile = {"head_dim": value_dim, "implementation": flash_implementation() or "xla"}
+                if name == "pallas_flash":
+                    plan = triton_flash_plan(1, q_len, heads, value_dim, 2)
+                    tile = {"head_dim": value_dim, "blocks": [plan.block_q, plan.block_k, plan.stages,
+                                                              plan.block_bwd]}
                 rec.emit(check="scaling", path=name, seq=q_len, topk=topk, heads=heads, **tile,
                          forward_ms=round(fwd_ms, 3), forward_tflops=round(flops_fwd / fwd_ms / 1e9, 2),
                          fwd_bwd_ms=round(all_ms, 3), fwd_bwd_tflops=round(flops_all / all_ms / 1e9, 2),
@@ -356,6 +400,9 @@ def main(argv=None) -> None:
     rec.emit(check="environment", jax=jax.__version__, backend=jax.default_backend(),
              device=jax.devices()[0].device_kind, interpret=args.interpret)
     block_ns = [int(b) for b in args.block_ns.split(",")]
+    if args.no_correctness:
+        measure_scaling(args, rec, block_ns[0])
+        return
     for block_n in block_ns:
         passed = False
         with rec.guard("correctness", block_n=block_n):

@@ -7,8 +7,8 @@ code the model runs without kernels (`sparse_latent`, `chunked_topk`, blocked ov
 gradient: Mosaic only, `tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory
 bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward; and
-causal attention over every visible key on TPU for layers whose top-k keeps every key (`causal_flash_attention`:
-jax's flash kernels with their costs declared).
+causal attention over every visible key for layers whose top-k keeps every key (`causal_flash_attention`: jax's
+Mosaic or Triton flash kernels with their costs declared).
 """
 
 from pallas_kernels._common import NEG_INF

@@ -1,5 +1,6 @@
-"""Causal attention of every head over every visible key, on TPU: jax's Mosaic flash attention kernels
-(`jax.experimental.pallas.ops.tpu.flash_attention`) in MLA's expanded form (per-head keys and values).
+"""Causal attention of every head over every visible key: on TPU jax's Mosaic flash attention kernels
+(`jax.experimental.pallas.ops.tpu.flash_attention`), on GPU jax's Triton ones (`gpu_flash_attention`), in MLA's
+expanded form (per-head keys and values).
 
 For DSA layers whose top-k selects every visible key (T <= N: the selection is the causal mask) and for the
 dense warm-up's attention. The sparse MLA kernels would gather every visible latent row per query there, O(S x T)
@@ -14,7 +15,8 @@ tokens get segment id -1: they see only each other). The forward and both backwa
 are jax's, called through their module's functions so that each kernel declares its cost: FLOPs of the key
 blocks it computes and HBM bytes counting the blocks it re-reads (jax declares the forward's inputs once and
 nothing for the backward).
-`interpret` runs them in TPU interpret mode on CPU.
+`interpret` runs them in TPU interpret mode on CPU (the Triton ones in Pallas's interpret mode). The rest of this
+module is the TPU path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import (check_equal, check_float_dtype, check_rank, pad_axis, resolve_interpret,
                                    resolve_platform, round_up)
+from pallas_kernels.gpu_flash_attention import triton_flash, triton_flash_plan
 from pallas_kernels.kernel_cost import declared_cost
 
 LANES = 128  # jax's flash kernels tile the head dim and hold l, m, di as 128-lane rows
@@ -143,22 +146,32 @@ def causal_flash_attention(q, k, v, segment_ids, *, scale: float, interpret: boo
                            platform: str | None = None) -> jax.Array:
     """softmax(scale * q.k) v over the keys each query sees (causal within its segment): [B, S, H, P] in the
     inputs' promoted dtype, differentiable in q, k and v (fp32 statistics and accumulation inside the kernels).
-    platform: "tpu" or None on a TPU backend; there is no Triton version."""
-    if resolve_platform(platform) != "tpu":
-        raise ValueError(f"causal_flash_attention runs jax's Mosaic (TPU) kernels only; got platform={platform!r} "
-                         f"on the {jax.default_backend()} backend: pass platform='tpu' (interpret=True on CPU)")
+    platform: "tpu" (jax's Mosaic kernels), "gpu" (jax's Triton kernels, `gpu_flash_attention`) or None (TPU on
+    a TPU backend, else GPU)."""
     _validate(q, k, v, segment_ids)
     batch, seq, heads, _ = q.shape
     values = v.shape[-1]
     dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    interpret = resolve_interpret(interpret)
+    if resolve_platform(platform) == "gpu":
+        # One head dim for q, k and v (jax's Triton kernels take one); [B, L, H, D] is their layout already.
+        gpu_plan = triton_flash_plan(batch, seq, heads, max(q.shape[-1], values), itemsize)
+
+        def gpu_layout(x):
+            return pad_axis(pad_axis(x.astype(dtype), 3, gpu_plan.dim), 1, gpu_plan.length)
+
+        segments = pad_axis(segment_ids.astype(jnp.int32), 1, gpu_plan.length, value=PADDING_SEGMENT)
+        out = triton_flash(gpu_layout(q), gpu_layout(k), gpu_layout(v), segments, float(scale), gpu_plan,
+                           interpret)
+        return out[:, :seq, :, :values]
     length = round_up(seq, BLOCKS[-1])
     plan = _Plan(batch, heads, length, round_up(max(q.shape[-1], values), LANES),
-                 next(b for b in BLOCKS if length % b == 0), jnp.dtype(dtype).itemsize)
+                 next(b for b in BLOCKS if length % b == 0), itemsize)
 
     def kernel_layout(x):  # [B, S, H, *] -> [B, H, L, dim]
         return jnp.swapaxes(pad_axis(pad_axis(x.astype(dtype), 3, plan.dim), 1, length), 1, 2)
 
     segments = pad_axis(segment_ids.astype(jnp.int32), 1, length, value=PADDING_SEGMENT)
-    out = _flash(kernel_layout(q), kernel_layout(k), kernel_layout(v), segments, float(scale), plan,
-                 resolve_interpret(interpret))
+    out = _flash(kernel_layout(q), kernel_layout(k), kernel_layout(v), segments, float(scale), plan, interpret)
     return jnp.swapaxes(out, 1, 2)[:, :seq, :, :values]

@@ -150,7 +150,7 @@ class MLA(nnx.Module):
         return self.output_projection(heads)
 
     def _selection_is_causal_mask(self, num_queries: int, num_keys: int, mesh) -> bool:
-        """Whether the TPU kernels attend by flash attention over every visible key: the queries' own keys, all
+        """Whether the kernels attend by flash attention over every visible key: the queries' own keys, all
         of them selected (T <= index_topk)."""
         return flash_attends(self.config, num_queries, num_keys, mesh) and selects_every_key(self.config, num_keys)
 

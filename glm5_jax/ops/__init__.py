@@ -10,7 +10,7 @@ One function per operation; the model calls only these, never a kernel:
 - `grouped_matmul`: the routed experts' grouped matmul (`grouped_matmul.py`);
 - `causal_attention` (and `causal_attention_with_target`): every head over every visible key in the expanded form,
   where DSA's selection is the causal mask itself (T <= index_topk, the dense warm-up): jax's flash attention
-  kernels with the TPU kernels (`causal_attention.py`), in place of the sparse MLA kernel over every row.
+  kernels (Mosaic on TPU, Triton on GPU; `causal_attention.py`), in place of the sparse MLA kernel over every row.
 Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Triton on GPU, interpreted on CPU;
 `ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference
 (`pallas_kernels.sparse_latent`, `pallas_kernels.chunked_topk`; memory bounded by query blocks). Kernels run

@@ -1,12 +1,12 @@
 """Attention of every head over every visible key (causal within packed segments), in MLA's expanded form, where
 DSA's selection is the causal mask itself: a layer whose top-k keeps every key (T <= index_topk) and the dense
-warm-up's attention. With the Mosaic kernels it runs jax's flash attention (`pallas_kernels.flash_attention`)
-on each device's own rows, instead of the sparse MLA kernel gathering every visible latent row per query.
+warm-up's attention. With the kernels it runs jax's flash attention (`pallas_kernels.flash_attention`: the
+Mosaic kernels on TPU, the Triton ones on GPU) on each device's own rows, instead of the sparse MLA kernel
+gathering every visible latent row per query.
 
-Only with the TPU kernels (`attention_backend: pallas` on TPU, or the TPU interpret mode), on whole sequences
-(no `context` split) attending to themselves; elsewhere the layers keep their own paths (the jnp backends
-already choose the dense form for short sequences, `model.attention.choose_backend`; the Triton kernels have no
-flash attention here yet).
+Only with the kernels (`attention_backend: pallas`, or their interpret modes on CPU), on whole sequences (no
+`context` split) attending to themselves; elsewhere the layers keep their own paths (the jnp backends already
+choose the dense form for short sequences, `model.attention.choose_backend`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import jax
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.distributed.context_local import context_local
-from glm5_jax.ops.platform import uses_tpu_kernels
+from glm5_jax.ops.platform import uses_kernels
 from pallas_kernels import causal_flash_attention, dense_attention_target
 
 
 def flash_attends(config: ModelConfig, num_queries: int, num_keys: int, mesh=None) -> bool:
     """Whether queries attending to their own sequence's keys run the flash kernel (see the module doc; config
     `flash_every_key: false` turns it off)."""
-    return (config.flash_every_key and uses_tpu_kernels(config) and num_queries == num_keys
+    return (config.flash_every_key and uses_kernels(config) and num_queries == num_keys
             and context_split(mesh) == 1)
 
 

@@ -76,12 +76,15 @@ def test_the_row_gradient_mode_reaches_the_sparse_kernels(indexer_mode, monkeypa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("indexer_mode", [None, "dense_warmup", "sparse"])
-def test_tpu_kernels_attend_by_flash_where_the_top_k_keeps_every_key(indexer_mode, monkeypatch, plain_tpu_interpret):
-    """T <= index_topk: the Mosaic path runs jax's flash attention over every visible key (expanded form) and,
-    in the DSA stages, the dense target kernel (gathered at the selection in the sparse stage) instead of the
-    sparse MLA kernel; loss and gradients equal the jnp sparse backend's (plain interpret mode: the kernels'
-    own tests run them in TPU interpret mode)."""
+# The Triton path's dense warm-up (flash and the dense target) is test_pallas_backend_matches_sparse's.
+@pytest.mark.parametrize("platform, indexer_mode", [("tpu", None), ("tpu", "dense_warmup"), ("tpu", "sparse"),
+                                                    ("gpu", "sparse")])
+def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, indexer_mode, monkeypatch,
+                                                                 plain_tpu_interpret):
+    """T <= index_topk: the kernels run jax's flash attention over every visible key (expanded form; Mosaic on
+    TPU, Triton on GPU) and, in the DSA stages, the dense target kernel (gathered at the selection in the sparse
+    stage) instead of the sparse MLA kernel; loss and gradients equal the jnp sparse backend's (plain interpret
+    mode: the kernels' own tests run the Mosaic ones in TPU interpret mode)."""
     from glm5_jax.config import ModelConfig
     from glm5_jax.ops import causal_attention
 
@@ -103,7 +106,7 @@ def test_tpu_kernels_attend_by_flash_where_the_top_k_keeps_every_key(indexer_mod
     grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     ref_value, ref_grads = grad_fn(params, "sparse")
     assert not flash_calls
-    monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: dict(platform="tpu", interpret=True)))
+    monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: dict(platform=platform, interpret=True)))
     value, grads = grad_fn(params, "pallas")
     assert flash_calls  # every layer and the MTP step attended through it
     np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-6)

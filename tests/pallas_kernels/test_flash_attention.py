@@ -1,7 +1,8 @@
 """Causal flash attention over every visible key (jax's Mosaic flash kernels behind
-`pallas_kernels.flash_attention`, TPU interpret mode on CPU) equals the masked softmax attention: values and the
-gradients in q, k and v, with packed segments, head dims that are not lane multiples and a sequence that is not
-a block multiple; and its declared costs count the key blocks it computes and re-reads."""
+`pallas_kernels.flash_attention`, TPU interpret mode on CPU; jax's Triton ones, Pallas's interpret mode) equals
+the masked softmax attention: values and the gradients in q, k and v, with packed segments, head dims that are
+not lane multiples (nor equal, nor powers of two) and a sequence that is not a block multiple; and its declared
+costs count the key blocks it computes and re-reads."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import _Plan, causal_flash_attention
+from pallas_kernels.gpu_flash_attention import TritonFlashPlan, triton_flash_plan
 from pallas_kernels.masks import visible_keys
 
 
@@ -19,9 +21,12 @@ def masked_reference(q, k, v, segment_ids, scale):
     return jnp.einsum("BHST,BTHP->BSHP", probs, v, precision=jax.lax.Precision.HIGHEST)
 
 
-@pytest.mark.slow  # ~9 s of TPU interpret mode
-def test_values_and_gradients_equal_the_masked_attention():
-    b, s, h, k_dim, p_dim, scale = 2, 300, 3, 24, 16, 0.2  # padded to 384 tokens (3 blocks of 128), dims to 128
+@pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow),  # ~9 s of TPU interpret mode
+                                      "gpu"])
+def test_values_and_gradients_equal_the_masked_attention(platform):
+    # Padded to 384 tokens: on TPU 3 blocks of 128, dims to 128; on GPU 3 query blocks of 128 (6 key blocks of
+    # 64, 6 backward blocks of 64), q, k and v to one head dim of 24.
+    b, s, h, k_dim, p_dim, scale = 2, 300, 3, 24, 16, 0.2
     keys = jax.random.split(jax.random.key(0), 4)
     q, k = (jax.random.normal(key, (b, s, h, k_dim), jnp.float32) for key in keys[:2])
     v = jax.random.normal(keys[2], (b, s, h, p_dim), jnp.float32)
@@ -32,7 +37,7 @@ def test_values_and_gradients_equal_the_masked_attention():
         return lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)
 
     flash = jax.jit(lambda q, k, v: causal_flash_attention(q, k, v, segment_ids, scale=scale, interpret=True,
-                                                           platform="tpu"))
+                                                           platform=platform))
     reference = lambda q, k, v: masked_reference(q, k, v, segment_ids, scale)  # noqa: E731
     np.testing.assert_allclose(flash(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
     got = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
@@ -53,11 +58,35 @@ def test_declared_costs_count_the_computed_and_reread_key_blocks():
     assert plan.dkv_cost()[0] == 2 * 10 * 4 * pair and plan.dq_cost()[0] == 2 * 10 * 3 * pair
 
 
+def test_triton_declared_costs_count_the_visited_blocks():
+    plan = TritonFlashPlan(batch=1, heads=2, length=512, dim=192, itemsize=2, block_q=128, block_k=64, stages=2,
+                           block_bwd=64)
+    assert plan.dim_padded == 256  # the kernels' dots run at the next power of two
+    assert plan.forward_key_blocks() == 2 * (1 + 2 + 3 + 4)  # query block i visits 2 (i + 1) key blocks of 64
+    flops, accessed, exps = plan.forward_cost()
+    assert flops == 2 * 20 * 2 * (2 * 128 * 64 * 256) and exps == 2 * 20 * 128 * 64
+    assert accessed == 2 * (2 * 20 * 64 * 192 * 2) + 2 * (2 * 512 * 192 * 2) + 2 * 512 * 4
+    assert plan.backward_pairs() == 8 * 9 // 2
+    assert plan.backward_cost()[0] == 2 * 36 * 7 * 2 * 64 * 64 * 256
+
+
+def test_triton_blocks_fit_the_gpus_shared_memory():
+    h100 = 232448  # bytes per block (opt-in) of H100 and H200
+    glm5 = triton_flash_plan(1, 4096, 64, 256, 2, h100)  # bf16: the blocks AOT-compiled for H100 in test_gpu_compile
+    assert (glm5.block_q, glm5.block_k, glm5.stages, glm5.block_bwd, glm5.length) == (128, 64, 2, 64, 4096)
+    fp32 = triton_flash_plan(1, 4096, 64, 256, 4, h100)
+    assert (fp32.block_q, fp32.block_k, fp32.stages, fp32.block_bwd) == (64, 64, 1, 32)
+    short = triton_flash_plan(2, 10, 4, 12, 4, h100)  # blocks no larger than the sequence: 16 tokens, not 128
+    assert (short.block_q, short.block_k, short.block_bwd, short.length) == (16, 16, 16, 16)
+    odd = triton_flash_plan(1, 300, 4, 24, 4, h100)
+    assert odd.length == 384 and odd.length % odd.block_bwd == 0
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(k=jnp.zeros((1, 8, 2, 4))), "k.shape"),
     (dict(segment_ids=jnp.zeros((1, 7), jnp.int32)), "segment_ids.shape"),
     (dict(v=jnp.zeros((1, 8, 2), jnp.float32)), "v must have rank 4"),
-    (dict(platform="gpu"), "Mosaic .TPU. kernels only; got platform='gpu'"),
+    (dict(platform="cuda"), "platform must be one of"),
 ])
 def test_bad_shapes_are_refused_by_name(bad, match):
     args = dict(q=jnp.zeros((1, 8, 2, 6)), k=jnp.zeros((1, 8, 2, 6)), v=jnp.zeros((1, 8, 2, 4)),

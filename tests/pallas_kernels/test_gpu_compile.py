@@ -4,8 +4,8 @@ compiler and its Triton compiler, on a machine without a GPU (the CUDA plugin de
 layouts and unsupported ops show up only here. Each compiled module must hold the expected Pallas Triton
 kernels and no Mosaic kernel, and each kernel's shared memory (as Triton allocates it) must fit the device.
 
-Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128) in bf16 for H100 (for H200 the sparse
-MLA backward, the kernel nearest the shared-memory limit), and the
+Compiled: GLM-5's shapes (H 64, C 512, R 64, N 2048, indexer 32 x 128, flash attention's head dims 256) in bf16
+for H100 (for H200 the sparse MLA backward, the kernel nearest the shared-memory limit), and the
 interpret tests' kind of small odd shapes in fp32 and bf16 for H100 (H200 has the same SM and shared memory,
 so its kernels are the same), and fp32 at GLM-5's shapes for H100, where the row and key blocks shrink to fit.
 Not the sparse MLA backward in fp32 at GLM-5's shapes: its resident fp32 queries and output gradient alone
@@ -27,12 +27,14 @@ from gpu_compile import compile_lowered, lower_for, require_cuda_plugin, triton_
 
 from glm5_jax.parallel.hlo_stats import hlo_stats
 from pallas_kernels import (
+    causal_flash_attention,
     dense_attention_target,
     indexer_scores,
     indexer_topk,
     sparse_attention_target,
     sparse_mla_attention,
 )
+from pallas_kernels.gpu_flash_attention import triton_flash_plan
 from pallas_kernels.indexer_kl_target import dense_target_plan
 from pallas_kernels.indexer_topk import scores_plan
 from pallas_kernels.mla_layout import MlaLayout
@@ -53,14 +55,16 @@ class Shapes:
     index_heads: int  # I
     index_dim: int  # J
     block_t: int
+    qk_dim: int  # the expanded form's per-head key (nope + rope) and value dims, for flash attention
+    v_dim: int
 
 
 # GLM-5 at its training sequence length; the kernels' grids grow with S, their programs do not.
 GLM5 = Shapes(batch=1, q_len=4096, k_len=4096, heads=64, latent_dim=512, rope_dim=64, slots=2048, block_n=64,
-              bwd_query_chunk=256, index_heads=32, index_dim=128, block_t=64)
+              bwd_query_chunk=256, index_heads=32, index_dim=128, block_t=64, qk_dim=256, v_dim=256)
 # Odd sizes as in the interpret tests: padded heads, C, R, N, I, J; N not a multiple of block_n; T of block_t.
 SMALL = Shapes(batch=2, q_len=9, k_len=40, heads=4, latent_dim=24, rope_dim=8, slots=20, block_n=16,
-               bwd_query_chunk=4, index_heads=3, index_dim=24, block_t=16)
+               bwd_query_chunk=4, index_heads=3, index_dim=24, block_t=16, qk_dim=12, v_dim=8)
 
 
 def entry_points(shape: Shapes, dtype) -> dict:
@@ -100,7 +104,11 @@ def entry_points(shape: Shapes, dtype) -> dict:
     def dense_target(q, latent, qs, ks):
         return dense_attention_target(q, latent, scale=scale, block_t=shape.block_t, **masks(qs, ks), **compiled)
 
+    def flash_loss(q, k, v, segments):
+        return jnp.sum(jnp.sin(causal_flash_attention(q, k, v, segments, scale=scale, **compiled)))
+
     grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
+    flash_q, flash_v = sds((b, s, h, shape.qk_dim), dtype), sds((b, s, h, shape.v_dim), dtype)
     index_args = (q_index, k_index, weights, q_seg, k_seg)
     return {
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
@@ -111,6 +119,7 @@ def entry_points(shape: Shapes, dtype) -> dict:
         "indexer_topk": (topk, index_args, len(_topk_bands(shape))),  # one scores kernel per causal band
         "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),
         "dense_attention_target": (dense_target, (q, latent, q_seg, k_seg), 1),  # both passes in one program
+        "flash_attention": (grad(flash_loss, 3), (flash_q, flash_q, flash_v, q_seg), 2),  # forward + backward
     }
 
 
@@ -184,7 +193,16 @@ def expected_kernel_flops(shape: Shapes, dtype, name: str) -> int:
     dense_t = dense_target_plan(dense_s * heads, layout, itemsize, shape.block_t)[0]
     dense = 2 * b * _causal_tiles(t - s, s, dense_s, dense_t, _round_up(t, dense_t) // dense_t) * (
         2 * dense_s * heads * dense_t * (target_c + target_r))
-    return {"sparse_mla_forward": forward, "sparse_mla_backward": forward + backward,
+    # Flash attention (self-attention over S): query block i visits the key blocks up to its last row, with its
+    # dots at the head dim padded to a power of two; the fused backward visits each pair of its (square) blocks
+    # on or below the diagonal twice, 4 dots for dk / dv and 3 for dq.
+    plan = triton_flash_plan(b, s, shape.heads, max(shape.qk_dim, shape.v_dim), itemsize)
+    flash_dim, query_blocks = _pow2(plan.dim), plan.length // plan.block_q
+    key_blocks = sum((i + 1) * plan.block_q // plan.block_k for i in range(query_blocks))
+    flash = b * shape.heads * key_blocks * 2 * 2 * plan.block_q * plan.block_k * flash_dim
+    bwd_blocks = plan.length // plan.block_bwd
+    flash += b * shape.heads * bwd_blocks * (bwd_blocks + 1) // 2 * 7 * 2 * plan.block_bwd ** 2 * flash_dim
+    return {"flash_attention": flash, "sparse_mla_forward": forward, "sparse_mla_backward": forward + backward,
             "sparse_mla_backward_atomic": forward + backward, "indexer_scores": scores,
             "indexer_scores_with_backward": scores, "indexer_topk": topk, "sparse_attention_target": sparse_target,
             "dense_attention_target": dense}[name]
@@ -210,7 +228,7 @@ def _params():
         # indexer_scores's, compiled in fp32 here, and its causal bands are compiled in bf16 (8 kernels, 67 s).
         if name not in ("sparse_mla_backward", "indexer_topk"):
             yield pytest.param("h100", "glm5", "fp32", name, id=f"h100-glm5-fp32-{name}")
-        for dtype in DTYPES:
+        for dtype in DTYPES if name != "flash_attention" else ("fp32",):  # jax's kernels: odd sizes once
             yield pytest.param("h100", "small", dtype, name, id=f"h100-small-{dtype}-{name}")
 
 

@@ -1,6 +1,7 @@
 """The whole model with attention_backend "pallas" and pallas_platform "gpu" compiles for an H100 inside a full
 training step of the DSA warm-up: XLA's GPU compiler and its Triton compiler accept every Pallas Triton kernel
-the model calls, inside jit, grad, the layer scan and the optimizer update. No GPU needed. (The sparse stage's
+the model calls (jax's flash attention over every visible key among them), inside jit, grad, the layer scan and
+the optimizer update. No GPU needed. (The sparse stage's
 kernels are compiled inside `glm5 compile`'s step for an H200 cluster, tests/parallel/test_compile_cli.py.)"""
 
 import jax
@@ -40,6 +41,8 @@ def test_pallas_dense_warmup_step_compiles_for_h100():
     text = compile_lowered(lowered).as_text()
     kernels = set(triton_kernel_names(text))
     assert "tpu_custom_call" not in text
-    # Only the indexer trains: the dense KL target and the indexer scores (forward and backward).
-    assert {"_dense_target_kernel", "_scores_kernel"} <= kernels, kernels
+    # Only the indexer trains: the dense KL target and the indexer scores (forward and backward); the attention
+    # over every visible key is jax's Triton flash attention (forward only: no weight under it trains).
+    assert {"_dense_target_kernel", "_scores_kernel", "mha_forward"} <= kernels, kernels
+    assert "mha_backward" not in kernels and "_forward_kernel" not in kernels, kernels
     assert max(triton_shared_memory(lowered).values()) <= shared_memory_limit("h100")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes
+from gpu_compile import compile_lowered, lower_for, require_cuda_plugin
 
 from pallas_kernels import grouped_matmul
 from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
@@ -182,30 +183,15 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip):
     assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)  # no [G, M, ...] expansion
 
 
-def _gpu_sharding(gpu: str):
-    """Replicated sharding on one compile-only device described by `gpu`'s target config (CUDA plugin)."""
-    try:
-        import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA plugin: the GPU compiler and Triton)
-    except ImportError:
-        pytest.skip("the CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt) is not installed")
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from pallas_kernels.gpu_targets import gpu_target_config
-
-    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
-                                           topology="1x1x1").devices
-    return NamedSharding(Mesh(devices[:1], ("gpu",)), PartitionSpec())
-
-
 @pytest.mark.gpu_aot
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_gpu_kernels_compile_at_glm5_expert_shapes(gpu, dtype):
+    require_cuda_plugin()
     fn, args = glm5_forward_and_gradients(dtype, "gpu")
-    sharding = _gpu_sharding(gpu)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    text = jax.jit(fn).trace(*args).lower().compile().as_text()
+    # Kept out of the persistent cache (`compile_lowered`): a GPU executable compiled without a GPU cannot be read
+    # back from it.
+    text = compile_lowered(lower_for(fn, args, gpu)).as_text()
     kernels = sorted(re.search(r'op_name="[^"]*/([^"/]+)/pallas_call"', line).group(1)
                      for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line)
     assert kernels == ["jvp(grouped_matmul)", "transpose(jvp(grouped_matmul_input_grad))",

@@ -4,13 +4,15 @@ measured for the same programs: how far the kernels run from the bound the TPU t
     python benchmarks/gpu_roofline.py [--seqs 8192 16384 32768 65536] [--measured benchmarks/gpu_runs/*.jsonl]
 
 Each program is the one `gpu_kernels.py` times at S = T (B 1, H 64, C 512, R 64, N 2048, indexer 32 x 128,
-bf16): the sparse MLA forward, its forward+backward under a sum-of-squares loss, and the indexer top-k. It is
+bf16): the sparse MLA forward, its forward+backward under a sum-of-squares loss, the same two of the Triton flash
+attention over every visible key (expanded form, 64 heads of 256), and the indexer top-k. It is
 compiled for an H200 by XLA:GPU and Triton through the CUDA plugin (the test extra; no GPU, no cuDNN, so the
 cuDNN flash baseline cannot be compiled here), and `glm5_jax.parallel.hlo_stats` counts its matmul FLOPs (the
 kernels' declared costs included) and HBM bytes, every loop trip counted. Roofline: max(FLOPs / 989 TFLOP/s,
 bytes / 4.8 TB/s). The kernels' declared costs count every row block of every query (their programs skip the
 blocks past a query's last valid slot at run time), so at these lengths, where nearly every query holds
-2048 valid slots, the count is the work done. Measured: the median times in the given JSON lines
+2048 valid slots, the count is the work done; at S = T = 2048 (every key selected, causally about half of them
+valid) it is about twice the work done. The flash kernels count the key blocks on or below the diagonal. Measured: the median times in the given JSON lines
 (`gpu_check.jsonl` of an H200 run; the last line per program and length wins).
 """
 
@@ -33,10 +35,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from glm5_jax.parallel.hlo_stats import hlo_stats  # noqa: E402
 from glm5_jax.parallel.topology import CHIPS  # noqa: E402
-from pallas_kernels import indexer_topk, sparse_mla_attention  # noqa: E402
+from pallas_kernels import causal_flash_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from pallas_kernels.gpu_targets import gpu_target_config  # noqa: E402
 
 H, C, R, N, I, J = 64, 512, 64, 2048, 32, 128
+FLASH_DIM = 256  # GLM-5's query-key (192 + 64) and value head dims
 GPU = dict(platform="gpu", interpret=False)
 MEASURED = str(Path(__file__).resolve().parent / "gpu_runs" / "*.jsonl")
 
@@ -59,8 +62,22 @@ def programs(q_len: int) -> dict:
     def select(q, k, w):
         return indexer_topk(q, k, w, topk=min(N, q_len), **GPU)
 
+    # Flash attention over every visible key in MLA's expanded form (64 heads of 256), as the model runs it
+    # where the top-k keeps every key (T <= N) and in the dense warm-up.
+    expanded, segments = sds((1, q_len, H, FLASH_DIM), jnp.bfloat16), sds((1, q_len), jnp.int32)
+
+    def flash(q, k, v, segment_ids):
+        return causal_flash_attention(q, k, v, segment_ids, scale=FLASH_DIM ** -0.5, **GPU)
+
+    def flash_backward(q, k, v, segment_ids):
+        return jax.grad(lambda a, b, c: jnp.sum(jnp.square(flash(a, b, c, segment_ids).astype(jnp.float32))),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    flash_args = (expanded, expanded, expanded, segments)
     return {"pallas_sparse forward": (forward, (q, latent, indices)),
             "pallas_sparse forward+backward": (forward_backward, (q, latent, indices)),
+            "pallas_flash forward": (flash, flash_args),
+            "pallas_flash forward+backward": (flash_backward, flash_args),
             "indexer_topk": (select, (qi, ki, wi))}
 
 
@@ -88,9 +105,9 @@ def measured_ms(pattern: str) -> dict[tuple[str, int], float]:
             record = json.loads(line)
             if record.get("check") != "scaling" or "forward_ms" not in record:
                 continue
-            if record["path"] == "pallas_sparse":
-                found[("pallas_sparse forward", record["seq"])] = record["forward_ms"]
-                found[("pallas_sparse forward+backward", record["seq"])] = record["fwd_bwd_ms"]
+            if record["path"] in ("pallas_sparse", "pallas_flash"):
+                found[(f"{record['path']} forward", record["seq"])] = record["forward_ms"]
+                found[(f"{record['path']} forward+backward", record["seq"])] = record["fwd_bwd_ms"]
             elif record["path"] == "indexer_topk":
                 found[("indexer_topk", record["seq"])] = record["forward_ms"]
     return found

@@ -154,24 +154,19 @@ def causal_flash_attention(q, k, v, segment_ids, *, scale: float, interpret: boo
     dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
     itemsize = jnp.dtype(dtype).itemsize
     interpret = resolve_interpret(interpret)
+
+    def padded(dim: int, length: int):  # q, k, v [B, S, H, *] -> [B, L, H, dim] and segment ids [B, L]
+        rows = [pad_axis(pad_axis(x.astype(dtype), 3, dim), 1, length) for x in (q, k, v)]
+        return rows, pad_axis(segment_ids.astype(jnp.int32), 1, length, value=PADDING_SEGMENT)
+
     if resolve_platform(platform) == "gpu":
         # One head dim for q, k and v (jax's Triton kernels take one); [B, L, H, D] is their layout already.
         gpu_plan = triton_flash_plan(batch, seq, heads, max(q.shape[-1], values), itemsize)
-
-        def gpu_layout(x):
-            return pad_axis(pad_axis(x.astype(dtype), 3, gpu_plan.dim), 1, gpu_plan.length)
-
-        segments = pad_axis(segment_ids.astype(jnp.int32), 1, gpu_plan.length, value=PADDING_SEGMENT)
-        out = triton_flash(gpu_layout(q), gpu_layout(k), gpu_layout(v), segments, float(scale), gpu_plan,
-                           interpret)
-        return out[:, :seq, :, :values]
+        rows, segments = padded(gpu_plan.dim, gpu_plan.length)
+        return triton_flash(*rows, segments, float(scale), gpu_plan, interpret)[:, :seq, :, :values]
     length = round_up(seq, BLOCKS[-1])
     plan = _Plan(batch, heads, length, round_up(max(q.shape[-1], values), LANES),
                  next(b for b in BLOCKS if length % b == 0), itemsize)
-
-    def kernel_layout(x):  # [B, S, H, *] -> [B, H, L, dim]
-        return jnp.swapaxes(pad_axis(pad_axis(x.astype(dtype), 3, plan.dim), 1, length), 1, 2)
-
-    segments = pad_axis(segment_ids.astype(jnp.int32), 1, length, value=PADDING_SEGMENT)
-    out = _flash(kernel_layout(q), kernel_layout(k), kernel_layout(v), segments, float(scale), plan, interpret)
+    rows, segments = padded(plan.dim, length)
+    out = _flash(*(jnp.swapaxes(x, 1, 2) for x in rows), segments, float(scale), plan, interpret)  # [B, H, L, dim]
     return jnp.swapaxes(out, 1, 2)[:, :seq, :, :values]

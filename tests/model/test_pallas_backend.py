@@ -1,8 +1,8 @@
 """The `pallas` attention backend (kernels in interpret mode on CPU) equals the `sparse` backend for the whole
 model: loss and gradients, in plain training and in the DSA warm-up stage (whose attention over every key is
 the Triton flash attention), on the Triton kernels; and where the top-k keeps every key, on both platforms'
-flash attention. The sparse DSA
-stage on the Triton and Mosaic kernels is checked against the jnp path in tests/model/test_indexer_kl.py."""
+flash attention. The sparse DSA stage on the Triton and Mosaic kernels is checked against the jnp path in
+tests/model/test_indexer_kl.py."""
 
 import dataclasses
 

@@ -30,9 +30,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 # step 43 s of compile and 5 steps, each sweep candidate ~15 s.
 # Kernels: every entry point against its jnp reference at GLM-5 head shapes (H 64, C 512, R 64, bf16; sparse
 # MLA forward and backward, indexer scores with gradients and top-k, both KL targets, the Triton flash attention
-# with its gradients), then forward /
-# forward+backward time and TFLOP/s against cuDNN's flash attention (MLA's expanded form, 64 heads of 256) at
-# S = 8K and 64K (N = 2048): the ends of the 8K..64K table of 2026-12-04, whose middle scaled as the ends say
+# with its gradients), then forward / forward+backward time and TFLOP/s against cuDNN's flash attention (MLA's
+# expanded form, 64 heads of 256) at S = 8K and 64K (N = 2048): the ends of the 8K..64K table of 2026-12-04, whose middle scaled as the ends say
 # (sparse linearly, flash and the top-k quadratically), and 64K where DSA overtook flash (1.08x). No
 # measurement starts after 165 s (on 2026-12-04: the correctness pass ~82 s, 8K ~20 s, the sparse kernels at 64K
 # 45 s).

@@ -8,6 +8,7 @@ per step and a summary line (`"ok"`), on stdout and appended to --out; no grain,
 
   PYTHONPATH=. python benchmarks/gpu_tiny_losses.py --out "$OUT/gpu_check.jsonl"
   PYTHONPATH=. python benchmarks/gpu_tiny_losses.py --accelerator cpu   # checks the script on a CPU host
+  PYTHONPATH=. python benchmarks/gpu_tiny_losses.py --mode dsa_warmup    # the dense warm-up (flash on GPU)
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ from glm5_jax.train.step import init_train_state, make_train_step  # noqa: E402
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
-def run_steps(config, device, batches: list[dict], steps: int) -> list[float]:
-    """Losses of `steps` AdamW steps from the same initial weights, every array on `device`."""
+def run_steps(config, device, batches: list[dict], steps: int, mode: str = "pretrain") -> list[float]:
+    """Losses of `steps` AdamW steps of training `mode` from the same initial weights, every array on `device`
+    (the DSA dense warm-up trains the indexer only, on its KL loss)."""
     with jax.default_device(device):
         params = init(config, jax.random.key(0))
-        optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3, warmup_steps=0, total_steps=steps), params,
-                                   config=config)
+        trainable = "indexer" if mode == "dsa_warmup" else "all"
+        optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3, warmup_steps=0, total_steps=steps,
+                                               trainable=trainable), params, config=config)
         rows, seq = batches[0]["tokens"].shape
-        train_step = make_train_step(config, TrainConfig(batch_size=rows, seq_len=seq), optimizer)
+        train_step = make_train_step(config, TrainConfig(batch_size=rows, seq_len=seq, mode=mode), optimizer)
         state = init_train_state(params, optimizer)
         losses = []
         for batch in batches[:steps]:
@@ -60,6 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--accelerator", default=None, help="platform to check (default: jax's default backend)")
     parser.add_argument("--attention-backend", default="pallas", choices=("pallas", "sparse", "dense"))
     parser.add_argument("--rtol", type=float, default=2e-2, help="bf16 compute: relative tolerance per step")
+    parser.add_argument("--mode", default="pretrain", choices=("pretrain", "dsa_warmup"),
+                        help="dsa_warmup: every layer attends to every key (on a GPU with the kernels: the Triton "
+                             "flash attention and the dense KL target kernel)")
     args = parser.parse_args(argv)
 
     platform = args.accelerator or jax.default_backend()
@@ -75,9 +81,9 @@ def main(argv=None) -> int:
                 "loss_mask": np.ones(shape, np.int32)} for _ in range(args.steps)]
     try:
         start = time.perf_counter()
-        accelerator = run_steps(on_accelerator, jax.devices(platform)[0], batches, args.steps)
+        accelerator = run_steps(on_accelerator, jax.devices(platform)[0], batches, args.steps, args.mode)
         middle = time.perf_counter()
-        reference = run_steps(on_cpu, jax.devices("cpu")[0], batches, args.steps)
+        reference = run_steps(on_cpu, jax.devices("cpu")[0], batches, args.steps, args.mode)
         seconds = {"accelerator_s": round(middle - start, 1), "cpu_s": round(time.perf_counter() - middle, 1)}
     except Exception as err:  # noqa: BLE001 - reported as a result line, the check script goes on
         emit("tiny_losses", {"error": f"{type(err).__name__}: {err}"[:2000], "platform": platform}, args.out)
@@ -89,7 +95,7 @@ def main(argv=None) -> int:
         emit("tiny_losses", {"step": step, "platform": platform, "loss": got, "cpu_loss": want,
               "relative_difference": abs(got - want) / abs(want), "close": close}, args.out)
     emit("tiny_losses", {"summary": True, "platform": platform, "attention_backend": on_accelerator.attention_backend,
-          "steps": args.steps, "rtol": args.rtol, "ok": ok, **seconds}, args.out)
+          "mode": args.mode, "steps": args.steps, "rtol": args.rtol, "ok": ok, **seconds}, args.out)
     return 0 if ok else 1
 
 

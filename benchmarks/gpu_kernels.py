@@ -46,6 +46,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.gpu_flash_attention import triton_flash_plan
 from pallas_kernels.reference import (
+    causal_flash_attention_reference,
     dense_attention_target_reference,
     indexer_scores_reference,
     indexer_topk_reference,
@@ -261,13 +262,6 @@ def flash_errors(args, q_len: int) -> dict[str, float]:
     segments = jnp.where(jnp.arange(q_len) < q_len // 3, 1, 2)[None]
     scale = args.flash_head_dim ** -0.5
 
-    def reference(q, k, v):
-        logits = jnp.einsum("BSHD,BTHD->BHST", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-        position = jnp.arange(q_len)
-        allowed = (position[None, :] <= position[:, None]) & (segments[0][:, None] == segments[0][None, :])
-        probs = jax.nn.softmax(jnp.where(allowed, logits, NEG_INF), axis=-1)
-        return jnp.einsum("BHST,BTHD->BSHD", probs, v.astype(jnp.float32))
-
     def run(fn):
         @jax.jit
         def go(q, k, v):
@@ -276,7 +270,7 @@ def flash_errors(args, q_len: int) -> dict[str, float]:
         return go(q, k, v)
 
     got = run(lambda q, k, v: causal_flash_attention(q, k, v, segments, scale=scale, interpret=args.interpret))
-    want = run(reference)
+    want = run(lambda q, k, v: causal_flash_attention_reference(q, k, v, segments, scale=scale))
     return {f"flash_{name}": relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
 
 

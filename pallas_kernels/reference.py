@@ -18,6 +18,7 @@ from jax import lax
 
 from pallas_kernels._common import NEG_INF, positions_and_segments
 from pallas_kernels.dense_target import head_mean_target, visible_softmax
+from pallas_kernels.masks import visible_keys
 from pallas_kernels.selected_scores import gathered_scores_backward
 from pallas_kernels.sparse_latent import sparse_latent_attention
 
@@ -116,3 +117,11 @@ def selected_scores_backward_reference(q_index, k_index, weights, indices, d_sco
     valid = (indices >= 0) & (indices < k_index.shape[1])
     return gathered_scores_backward(q_index, weights, k_index, jnp.where(valid, indices, -1),
                                     jnp.where(valid, d_scores, 0.0), bwd_query_chunk)
+
+
+def causal_flash_attention_reference(q, k, v, segment_ids, *, scale, interpret=None, platform=None):
+    """softmax(scale q.k) v over the keys each query sees (t <= s within its segment), in fp32 at HIGHEST
+    precision: [B, S, H, P] fp32 (the kernels return the inputs' dtype)."""
+    logits = jnp.einsum("BSHK,BTHK->BHST", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
+    probs = visible_softmax(logits, visible_keys(segment_ids, segment_ids)[:, None])
+    return jnp.einsum("BHST,BTHP->BSHP", probs, v.astype(jnp.float32), precision=HIGHEST)

@@ -11,14 +11,7 @@ import pytest
 
 from pallas_kernels.flash_attention import _Plan, causal_flash_attention
 from pallas_kernels.gpu_flash_attention import TritonFlashPlan, triton_flash_plan
-from pallas_kernels.masks import visible_keys
-
-
-def masked_reference(q, k, v, segment_ids, scale):
-    logits = jnp.einsum("BSHK,BTHK->BHST", q, k, precision=jax.lax.Precision.HIGHEST) * scale
-    allowed = visible_keys(segment_ids, segment_ids)[:, None]
-    probs = jax.nn.softmax(jnp.where(allowed, logits, -1e30), axis=-1)
-    return jnp.einsum("BHST,BTHP->BSHP", probs, v, precision=jax.lax.Precision.HIGHEST)
+from pallas_kernels.reference import causal_flash_attention_reference
 
 
 @pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow),  # ~9 s of TPU interpret mode
@@ -38,7 +31,7 @@ def test_values_and_gradients_equal_the_masked_attention(platform):
 
     flash = jax.jit(lambda q, k, v: causal_flash_attention(q, k, v, segment_ids, scale=scale, interpret=True,
                                                            platform=platform))
-    reference = lambda q, k, v: masked_reference(q, k, v, segment_ids, scale)  # noqa: E731
+    reference = lambda q, k, v: causal_flash_attention_reference(q, k, v, segment_ids, scale=scale)  # noqa: E731
     np.testing.assert_allclose(flash(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
     got = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)

@@ -81,8 +81,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     of them (group_offset None: all, G == Gt), as a device holding a share of the experts does; rows of
     other groups, and rows past sum(group_sizes), give zeros and receive zero gradient.
     `platform`: "tpu", "gpu", "cpu" or None (the default backend); `interpret` runs the TPU / GPU kernels
-    in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use; each is clamped
-    to the shapes (default: chosen from the shapes, see `tpu_grouped_matmul.choose_tiling`)."""
+    in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use, for all three kernels; each
+    is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`)."""
     _validate(lhs, rhs, group_sizes, group_offset, tiling)
     platform = resolve_grouped_platform(platform)
     if platform == "cpu":

@@ -5,11 +5,19 @@ gradient and `tgmm` for the weight gradient, so every pass does the work of the 
 megablox needs the row count to be a multiple of the row tile and never writes rows outside the groups
 held here: rows are padded (zeros) to the tile and the output and input gradient are masked to the held
 groups' rows. K and N are padded to multiples of 128 (the TPU lane width) only when they are not already.
+
+Each of the three kernels gets its own tiles (`choose_tiles`): the ones that move the fewest HBM bytes by the
+kernel's own cost model (what megablox declares and the roofline counts: `gmm` re-reads a weight tile for every
+row tile and a row tile for every output-column tile; `tgmm` re-reads rows for every output tile column and row)
+within the scoped VMEM budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,76 +26,139 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels._grouped_rows import held_rows_mask
 
-Tiling = tuple[int, int, int]
+Tiling = tuple[int, int, int]  # (rows, contracted, output columns) of one kernel's tiles
 
 LANE = 128
-# MaxText's megablox tiles: the largest tried; each shrinks to fit the shapes and the VMEM budget.
-MAX_TILING: Tiling = (512, 1024, 1024)
+MAX_ROW_TILE = 2048
+# Each grid step costs ~0.35 us of pipeline overhead on TPU (Pallas TPU docs): a step contracts at least this
+# deep (or the whole dim), so its matmul, [1024, 512] x [512, 1024] at GLM-5's expert shapes, outweighs it.
+MIN_CONTRACTED_TILE = 512
 # Under v5p's 16 MiB default scoped VMEM (v6e: 32 MiB), with room for Mosaic's own scratch.
 VMEM_BUDGET = 12 * 2**20
 
 
-def _divisor_tile(dim: int, limit: int) -> int:
-    """Largest multiple of LANE that is at most `limit` and divides `dim` (itself a multiple of LANE)."""
-    tile = max(LANE, min(limit, dim) // LANE * LANE)
-    while dim % tile:
-        tile -= LANE
-    return tile
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """The three kernels' tiles: the forward `gmm` over lhs [M, K] x rhs [K, N]; the input gradient's `gmm` over
+    d_out [M, N] x rhs^T (N contracted, K out); the weight gradient's `tgmm` over lhs^T [K, M] x d_out [M, N]
+    (M contracted; its tiles are written (rows, K, N)). Rows are padded to a multiple of every row tile."""
+
+    forward: Tiling
+    input_grad: Tiling
+    weight_grad: Tiling
+
+    @property
+    def row_multiple(self) -> int:
+        return math.lcm(self.forward[0], self.input_grad[0], self.weight_grad[0])
 
 
-def _vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
-    """Largest scoped VMEM of the three kernels: double-buffered input and output tiles plus the fp32
-    accumulator. Forward [tm,tk]x[tk,tn] -> [tm,tn]; input gradient the same with tk and tn swapped;
-    weight gradient [tm,tk]^T x [tm,tn] -> [tk,tn]."""
-    forward = 2 * (tm * tk + tk * tn + tm * tn) * itemsize + 4 * tm * tn
-    input_grad = 2 * (tm * tn + tk * tn + tm * tk) * itemsize + 4 * tm * tk
-    weight_grad = 2 * (tm * tk + tm * tn + tk * tn) * itemsize + 4 * tk * tn
-    return max(forward, input_grad, weight_grad)
+def gmm_vmem_bytes(tiling: Tiling, itemsize: int) -> int:
+    """Double-buffered lhs [tm, tc], rhs [tc, to] and output [tm, to] tiles, and the fp32 accumulator."""
+    tm, tc, to = tiling
+    return 2 * (tm * tc + tc * to + tm * to) * itemsize + 4 * tm * to
 
 
-def choose_tiling(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Tiling | None = None) -> Tiling:
-    """(row tile, K tile, N tile) for rows M, K and N already padded to multiples of LANE.
+def tgmm_vmem_bytes(tiling: Tiling, itemsize: int) -> int:
+    """Double-buffered lhs^T [tk, tm], d_out [tm, tn] and output [tk, tn] tiles, and the fp32 accumulator."""
+    tm, tk, tn = tiling
+    return 2 * (tk * tm + tm * tn + tk * tn) * itemsize + 4 * tk * tn
 
-    A given `tiling` is used as it is, clamped to the dims (K and N: the largest divisors up to it). Otherwise,
-    from MAX_TILING: every group that starts inside a row tile costs one extra tile pass (megablox computes
-    the tile once per group in it), so the row tile halves (down to LANE) until those at most G - 1 extra
-    passes are at most half the tiles; K and N take the largest divisors up to their limits, then the larger
-    of the two steps down to its next divisor until all three kernels fit the VMEM budget."""
-    max_tm, max_tk, max_tn = MAX_TILING if tiling is None else tiling
-    tm = max(LANE, round_up(min(max_tm, m), LANE))
-    tk, tn = _divisor_tile(k, max_tk), _divisor_tile(n, max_tn)
+
+def gmm_hbm_bytes(m: int, contracted: int, out: int, groups: int, tiling: Tiling, itemsize: int) -> int:
+    """megablox's declared traffic of `gmm`: the rows once per output-column tile, a group's weights once per row
+    tile (every group starting inside a tile adds a pass: at most G - 1), the output once."""
+    tm, _, to = tiling
+    return itemsize * (m * contracted * (out // to) + contracted * out * (m // tm + groups - 1) + m * out)
+
+
+def tgmm_hbm_bytes(m: int, k: int, n: int, groups: int, tiling: Tiling, itemsize: int) -> int:
+    """megablox's declared traffic of `tgmm`: lhs [M, K] once per N tile, d_out [M, N] once per K tile, the
+    groups' gradients [G, K, N] once."""
+    _, tk, tn = tiling
+    return itemsize * (m * k * (n // tn) + m * n * (k // tk) + groups * k * n)
+
+
+def _divisor_tiles(dim: int, limit: int | None = None) -> list[int]:
+    """Multiples of LANE that divide `dim` (itself a multiple of LANE), at most `limit`."""
+    return [t for t in range(LANE, min(dim, limit or dim) + 1, LANE) if dim % t == 0]
+
+
+def _row_tiles(m: int, groups: int) -> list[int]:
+    """Row tiles for M rows (a multiple of LANE): up to MAX_ROW_TILE and the rows themselves, and small enough
+    that the at most G - 1 extra passes of groups starting mid-tile are at most half the tiles (LANE always)."""
+    tiles = range(LANE, min(MAX_ROW_TILE, m) + 1, LANE)
+    return [t for t in tiles if t == LANE or 2 * (groups - 1) <= round_up(m, t) // t]
+
+
+def _fewest_bytes(candidates, hbm_bytes, vmem_bytes, itemsize: int) -> Tiling:
+    """The candidate tiling with the fewest HBM bytes within the VMEM budget; among equals the largest tiles
+    (fewest grid steps). The smallest candidate when none fits."""
+    fitting = [t for t in candidates if vmem_bytes(t, itemsize) <= VMEM_BUDGET]
+    if not fitting:
+        return min(candidates, key=lambda t: (vmem_bytes(t, itemsize), t))
+    return min(fitting, key=lambda t: (hbm_bytes(t), -t[0] * t[1] * t[2], t))
+
+
+def _gmm_tiles(m: int, contracted: int, out: int, groups: int, tm: int, itemsize: int) -> Tiling:
+    deep = [t for t in _divisor_tiles(contracted) if t >= min(MIN_CONTRACTED_TILE, contracted)]
+    candidates = [(tm, tc, to) for tc, to in itertools.product(deep, _divisor_tiles(out))]
+    return _fewest_bytes(candidates, lambda t: gmm_hbm_bytes(m, contracted, out, groups, t, itemsize),
+                         gmm_vmem_bytes, itemsize)
+
+
+@functools.lru_cache(maxsize=None)
+def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Tiling | None = None) -> GroupedTiles:
+    """The three kernels' tiles for M rows and K, N already padded to multiples of LANE.
+
+    A given `tiling` (rows, K, N) is used for all three as before: clamped to the dims (K and N: the largest
+    divisors up to it; the input gradient swaps its K and N tiles). Otherwise each kernel's tiles are those with
+    the fewest HBM bytes by its cost model within VMEM_BUDGET (`_fewest_bytes`); the two `gmm` share one row
+    tile (the one with the fewest bytes over both), the `tgmm` takes any dividing the padded rows."""
     if tiling is not None:
-        return tm, tk, tn
-    while tm > LANE and 2 * (groups - 1) > m // tm:
-        tm = max(LANE, tm // 2 // LANE * LANE)
-    while _vmem_bytes(tm, tk, tn, itemsize) > VMEM_BUDGET and max(tk, tn) > LANE:
-        if tk >= tn:
-            tk = _divisor_tile(k, tk - LANE)
-        else:
-            tn = _divisor_tile(n, tn - LANE)
-    return tm, tk, tn
+        max_tm, max_tk, max_tn = tiling
+        tm = max(LANE, round_up(min(max_tm, m), LANE))
+        tk, tn = _divisor_tiles(k, max(LANE, max_tk))[-1], _divisor_tiles(n, max(LANE, max_tn))[-1]
+        return GroupedTiles((tm, tk, tn), (tm, tn, tk), (tm, tk, tn))
+
+    def for_row_tile(tm: int) -> GroupedTiles:
+        rows = round_up(m, tm)
+        forward = _gmm_tiles(rows, k, n, groups, tm, itemsize)
+        input_grad = _gmm_tiles(rows, n, k, groups, tm, itemsize)
+        weight_candidates = [(r, tk, tn) for r in _row_tiles(rows, groups) if rows % r == 0
+                             for tk in _divisor_tiles(k) for tn in _divisor_tiles(n)]
+        weight_grad = _fewest_bytes(weight_candidates, lambda t: tgmm_hbm_bytes(rows, k, n, groups, t, itemsize),
+                                    tgmm_vmem_bytes, itemsize)
+        return GroupedTiles(forward, input_grad, weight_grad)
+
+    def total_bytes(tiles: GroupedTiles) -> int:
+        rows = round_up(m, tiles.forward[0])
+        return (gmm_hbm_bytes(rows, k, n, groups, tiles.forward, itemsize)
+                + gmm_hbm_bytes(rows, n, k, groups, tiles.input_grad, itemsize)
+                + tgmm_hbm_bytes(rows, k, n, groups, tiles.weight_grad, itemsize))
+
+    return min((for_row_tile(tm) for tm in _row_tiles(round_up(m, LANE), groups)),
+               key=lambda tiles: (total_bytes(tiles), -tiles.forward[0]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped(lhs, rhs, group_sizes, group_offset, tiling: Tiling, interpret: bool):
-    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiling, interpret)[0]
+def _grouped(lhs, rhs, group_sizes, group_offset, tiles: GroupedTiles, interpret: bool):
+    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret)[0]
 
 
-def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiling, interpret):
-    out = gmm(lhs, rhs, group_sizes, lhs.dtype, tiling, group_offset, interpret=interpret)
+def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret):
+    out = gmm(lhs, rhs, group_sizes, lhs.dtype, tiles.forward, group_offset, interpret=interpret)
     held = held_rows_mask(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
     return jnp.where(held, out, 0), (lhs, rhs, group_sizes, group_offset)
 
 
-def _grouped_bwd(tiling, interpret, residuals, d_out):
+def _grouped_bwd(tiles, interpret, residuals, d_out):
     lhs, rhs, group_sizes, group_offset = residuals
-    tm, tk, tn = tiling
-    # d_lhs = d_out [M, N] x rhs[g]^T: N is contracted, K is the output's (tiles swapped).
-    d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, (tm, tn, tk), group_offset, transpose_rhs=True,
+    # d_lhs = d_out [M, N] x rhs[g]^T: N is contracted, K is the output's.
+    d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, tiles.input_grad, group_offset, transpose_rhs=True,
                 interpret=interpret)
     d_lhs = jnp.where(held_rows_mask(group_sizes, group_offset, rhs.shape[0], lhs.shape[0]), d_lhs, 0)
     # d_rhs[g] = lhs[rows of g]^T x d_out[rows of g], accumulated in fp32 over the group's row tiles.
-    d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiling, group_offset, rhs.shape[0],
+    d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiles.weight_grad, group_offset, rhs.shape[0],
                  interpret=interpret)
     return d_lhs, d_rhs, None, None
 
@@ -101,9 +172,9 @@ def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)
-    tm, tk, tn = choose_tiling(round_up(m, LANE), k_pad, n_pad, rhs.shape[0], jnp.dtype(lhs.dtype).itemsize,
-                               tiling)
-    lhs = pad_axis(pad_axis(lhs, 0, round_up(m, tm)), 1, k_pad)
+    tiles = choose_tiles(round_up(m, LANE), k_pad, n_pad, rhs.shape[0], jnp.dtype(lhs.dtype).itemsize,
+                         None if tiling is None else tuple(tiling))
+    lhs = pad_axis(pad_axis(lhs, 0, round_up(m, tiles.row_multiple)), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
-    out = _grouped(lhs, rhs, group_sizes, group_offset, (tm, tk, tn), interpret)
+    out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret)
     return out[:m, :n]

@@ -17,7 +17,9 @@ from gpu_compile import compile_lowered, lower_for, require_cuda_plugin
 from pallas_kernels import grouped_matmul
 from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
 from pallas_kernels.grouped_matmul import grouped_matmul_reference
-from pallas_kernels.tpu_grouped_matmul import VMEM_BUDGET, _vmem_bytes, choose_tiling
+from pallas_kernels._common import round_up
+from pallas_kernels.tpu_grouped_matmul import (VMEM_BUDGET, GroupedTiles, choose_tiles, gmm_hbm_bytes,
+                                              gmm_vmem_bytes, tgmm_hbm_bytes, tgmm_vmem_bytes)
 
 # name: (M, K, N, group_sizes, held groups (offset, count) or None, tiling limit)
 CASES = {
@@ -94,19 +96,63 @@ def test_group_offset_may_be_traced(platform):
                                rtol=2e-5, atol=2e-5)
 
 
-def test_glm5_tiling_fits_vmem_and_bounds_the_row_tiles_groups_add():
-    m, k, n, groups = 16384, 6144, 2048, 32
-    for itemsize in (2, 4):
-        for dims in ((m, k, n), (m, n, k)):  # gate / up, then down
-            tm, tk, tn = choose_tiling(*dims, groups, itemsize)
-            assert dims[0] % tm == 0 and dims[1] % tk == 0 and dims[2] % tn == 0
-            assert _vmem_bytes(tm, tk, tn, itemsize) <= VMEM_BUDGET
-            assert 2 * (groups - 1) <= m // tm  # groups starting mid-tile add at most half the tiles
-    assert choose_tiling(m, k, n, groups, 2) == (256, 1024, 1024)
-    assert choose_tiling(m, k, n, 1, 2) == (512, 1024, 1024)  # MaxText's tiles when nothing shrinks them
-    assert choose_tiling(128, 256, 384, 8, 2) == (128, 256, 384)  # small dims: one tile each
-    assert choose_tiling(m, k, n, groups, 4, (512, 1024, 1024)) == (512, 1024, 1024)  # given: used as it is
-    assert choose_tiling(256, 384, 640, groups, 2, (512, 1024, 256)) == (256, 384, 128)  # clamped to divisors
+def _kernel_bytes(m, k, n, groups, tiles, itemsize):
+    """(HBM bytes, VMEM bytes) of the forward, input-gradient and weight-gradient kernels by megablox's cost model."""
+    return ([gmm_hbm_bytes(m, k, n, groups, tiles.forward, itemsize),
+             gmm_hbm_bytes(m, n, k, groups, tiles.input_grad, itemsize),
+             tgmm_hbm_bytes(m, k, n, groups, tiles.weight_grad, itemsize)],
+            [gmm_vmem_bytes(tiles.forward, itemsize), gmm_vmem_bytes(tiles.input_grad, itemsize),
+             tgmm_vmem_bytes(tiles.weight_grad, itemsize)])
+
+
+# (M, K, N, groups): 32 experts on a device (16384 rows), and the pod recipes' one expert per chip receiving 1.25x
+# an even load of 4096 (v5p) or 2048 (v6e) tokens' 8 assignments; gate / up, then down.
+EXPERT_SHAPES = [(16384, 6144, 2048, 32), (16384, 2048, 6144, 32), (40960, 6144, 2048, 1), (40960, 2048, 6144, 1),
+                 (20480, 6144, 2048, 1)]
+MAXTEXT_TILING = (512, 1024, 1024)
+
+
+@pytest.mark.parametrize("m,k,n,groups", EXPERT_SHAPES)
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_each_kernels_tiles_divide_the_dims_and_fit_vmem(m, k, n, groups, itemsize):
+    tiles = choose_tiles(m, k, n, groups, itemsize)
+    rows = round_up(m, tiles.row_multiple)
+    assert rows == round_up(m, tiles.forward[0])  # padded to the forward's row tile, which the others divide
+    for (tm, tc, to), (c, o) in zip((tiles.forward, tiles.input_grad, tiles.weight_grad), ((k, n), (n, k), (k, n))):
+        assert rows % tm == 0 and c % tc == 0 and o % to == 0
+        assert 2 * (groups - 1) <= rows // tm or tm == 128  # groups starting mid-tile add at most half the tiles
+    assert tiles.forward[0] == tiles.input_grad[0]
+    for name in ("forward", "input_grad"):  # each step contracts at least 512 deep
+        assert getattr(tiles, name)[1] >= 512
+    assert max(_kernel_bytes(rows, k, n, groups, tiles, itemsize)[1]) <= VMEM_BUDGET
+
+
+def _layer_bytes(m, k, n, groups, tiling=None) -> int:
+    """HBM bytes of one layer's gate, up and down matmuls (bf16), forward and both gradients."""
+    gate_up, down = choose_tiles(m, k, n, groups, 2, tiling), choose_tiles(m, n, k, groups, 2, tiling)
+    return 2 * sum(_kernel_bytes(m, k, n, groups, gate_up, 2)[0]) + sum(_kernel_bytes(m, n, k, groups, down, 2)[0])
+
+
+def test_per_kernel_tiles_move_fewer_bytes_than_maxtexts_tiles():
+    # The pod recipes' one expert per chip (v5p-512: 40960 rows): 512-row tiles re-read a 25 MB weight tile
+    # column 80 times per kernel; 1024-row tiles, 512 deep to fit, 23% fewer bytes.
+    assert choose_tiles(40960, 6144, 2048, 1, 2) == GroupedTiles((1024, 512, 1024), (1024, 512, 1024),
+                                                                  (512, 1024, 1024))
+    assert _layer_bytes(40960, 6144, 2048, 1) == pytest.approx(20.21e9, rel=1e-3)
+    assert _layer_bytes(40960, 6144, 2048, 1, MAXTEXT_TILING) == pytest.approx(26.25e9, rel=1e-3)
+    # 32 experts on a device: the groups keep the row tile at 256 (as before); the gate / up forward's N tile of
+    # 2048 reads the rows once: 5% fewer bytes than the 256 x 1024 x 1024 tiles chosen before.
+    assert choose_tiles(16384, 6144, 2048, 32, 2).forward == (256, 768, 2048)
+    assert _layer_bytes(16384, 6144, 2048, 32) == pytest.approx(21.19e9, rel=1e-3)
+    assert _layer_bytes(16384, 6144, 2048, 32, (256, 1024, 1024)) == pytest.approx(22.40e9, rel=1e-3)
+
+
+def test_a_given_tiling_is_clamped_to_the_dims_and_shared_by_the_three_kernels():
+    groups = 32
+    assert choose_tiles(128, 256, 384, 8, 2, (512, 1024, 1024)) == GroupedTiles(
+        (128, 256, 384), (128, 384, 256), (128, 256, 384))  # small dims: one tile each
+    assert choose_tiles(256, 384, 640, groups, 2, (512, 1024, 256)).forward == (256, 384, 128)  # divisors
+    assert choose_tiles(16384, 6144, 2048, groups, 4, (512, 1024, 1024)).weight_grad == (512, 1024, 1024)
 
 
 def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims_and_shared_memory():
@@ -139,11 +185,13 @@ def test_invalid_inputs_are_refused_naming_the_field(kwargs, message):
 
 # GLM-5's routed experts on one device holding 32 of them: 16384 rows, hidden 6144, expert width 2048.
 GLM5_EXPERTS = dict(m=16384, k=6144, n=2048, groups=32)
+# The v5p-512 recipe's one expert per chip: 1.25x an even load of one 4096-token sequence's 8 assignments.
+POD_EXPERT = dict(m=40960, k=6144, n=2048, groups=1)
 
 
-def glm5_forward_and_gradients(dtype, platform):
+def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS):
     """(function of lhs, rhs, group_sizes, d_out -> out, d_lhs, d_rhs; its abstract arguments)."""
-    m, k, n, g = GLM5_EXPERTS["m"], GLM5_EXPERTS["k"], GLM5_EXPERTS["n"], GLM5_EXPERTS["groups"]
+    m, k, n, g = experts["m"], experts["k"], experts["n"], experts["groups"]
 
     def forward_and_gradients(lhs, rhs, sizes, d_out):
         return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform=platform), lhs, rhs, d_out)
@@ -167,14 +215,15 @@ def declared_kernel_flops(hlo_text: str) -> list[tuple[str, int]]:
 
 @pytest.mark.slow
 @pytest.mark.tpu_aot
+@pytest.mark.parametrize("experts", [GLM5_EXPERTS, POD_EXPERT], ids=["32_experts", "pod_expert"])
 @pytest.mark.parametrize("chip", CHIPS)
-def test_tpu_kernels_compile_at_glm5_expert_shapes(chip):
-    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu")
+def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
+    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts)
     compiled = compile_for(fn, args, chip)
     text = compiled.as_text()
     vmem = mosaic_vmem_bytes(compiled)
     assert len(vmem) == 3 and max(vmem) < SCOPED_VMEM_LIMIT, vmem
-    m, k, n, g = GLM5_EXPERTS.values()
+    m, k, n, g = experts.values()
     # Forward gmm, input gradient gmm (transposed), weight gradient tgmm: each declares 2*M*K*N.
     assert declared_kernel_flops(text) == [("jvp(jit(gmm))", 2 * m * k * n),
                                            ("transpose(jvp(jit(gmm)))", 2 * m * k * n),

@@ -201,16 +201,16 @@ def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS):
                                    sds((m, n), dtype))
 
 
-def declared_kernel_flops(hlo_text: str) -> list[tuple[str, int]]:
-    """(JAX operation, FLOPs) of each Mosaic kernel: the operation is the custom call's metadata op_name
-    less its outer jit and "/pallas_call", the FLOPs its declared cost estimate (in backend_config)."""
-    flops = []
+def declared_kernel_costs(hlo_text: str) -> list[tuple[str, int, int]]:
+    """(JAX operation, FLOPs, HBM bytes) of each Mosaic kernel: the operation is the custom call's metadata op_name
+    less its outer jit and "/pallas_call", the FLOPs and bytes its declared cost estimate (in backend_config)."""
+    costs = []
     for line in hlo_text.splitlines():
         if 'custom_call_target="tpu_custom_call"' in line:
             op_name = re.search(r'op_name="([^"]+)"', line).group(1)
-            cost = re.search(r'"cost_estimate":\{"flops":"(\d+)"', line).group(1)
-            flops.append((op_name.split("/")[-2], int(cost)))
-    return sorted(flops)
+            cost = re.search(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"', line)
+            costs.append((op_name.split("/")[-2], int(cost.group(1)), int(cost.group(2))))
+    return sorted(costs)
 
 
 @pytest.mark.slow
@@ -224,10 +224,13 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
     vmem = mosaic_vmem_bytes(compiled)
     assert len(vmem) == 3 and max(vmem) < SCOPED_VMEM_LIMIT, vmem
     m, k, n, g = experts.values()
-    # Forward gmm, input gradient gmm (transposed), weight gradient tgmm: each declares 2*M*K*N.
-    assert declared_kernel_flops(text) == [("jvp(jit(gmm))", 2 * m * k * n),
-                                           ("transpose(jvp(jit(gmm)))", 2 * m * k * n),
-                                           ("transpose(jvp(jit(tgmm)))", 2 * m * k * n)]
+    # Forward gmm, input gradient gmm (transposed), weight gradient tgmm: each declares 2*M*K*N, and the HBM bytes
+    # the tile choice minimised (its cost model is megablox's own).
+    tiles = choose_tiles(m, k, n, g, 2)
+    assert declared_kernel_costs(text) == [
+        ("jvp(jit(gmm))", 2 * m * k * n, gmm_hbm_bytes(m, k, n, g, tiles.forward, 2)),
+        ("transpose(jvp(jit(gmm)))", 2 * m * k * n, gmm_hbm_bytes(m, n, k, g, tiles.input_grad, 2)),
+        ("transpose(jvp(jit(tgmm)))", 2 * m * k * n, tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))]
     assert not re.search(r"%ragged-dot", text)  # XLA:TPU's ragged-dot custom calls and their metadata
     assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)  # no [G, M, ...] expansion
 

@@ -74,7 +74,8 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling) -> None:
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    group_offset: jax.Array | int | None = None, platform: str | None = None,
-                   interpret: bool = False, tiling: Tiling | None = None) -> jax.Array:
+                   interpret: bool = False, tiling: Tiling | None = None,
+                   device_kind: str | None = None) -> jax.Array:
     """lhs [M, K] (rows sorted by group) x rhs [G, K, N] -> [M, N] in lhs.dtype, differentiable in lhs and rhs.
 
     `group_sizes` int32 [Gt]: rows per group, in row order. rhs holds groups [group_offset, group_offset + G)
@@ -82,11 +83,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     other groups, and rows past sum(group_sizes), give zeros and receive zero gradient.
     `platform`: "tpu", "gpu", "cpu" or None (the default backend); `interpret` runs the TPU / GPU kernels
     in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use, for all three kernels; each
-    is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`)."""
+    is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`). `device_kind`
+    (jax's name of the TPU compiled for, e.g. "TPU v6 lite"; None: any TPU) sets the TPU tiles' VMEM budget."""
     _validate(lhs, rhs, group_sizes, group_offset, tiling)
     platform = resolve_grouped_platform(platform)
     if platform == "cpu":
         return grouped_matmul_reference(lhs, rhs, group_sizes, group_offset=group_offset)
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    kernel = tpu_grouped_matmul if platform == "tpu" else gpu_grouped_matmul
-    return kernel(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
+    if platform == "gpu":
+        return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
+    return tpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
+                              device_kind=device_kind)

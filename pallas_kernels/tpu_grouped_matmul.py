@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,20 @@ MAX_ROW_TILE = 2048
 # Each grid step costs ~0.35 us of pipeline overhead on TPU (Pallas TPU docs): a step contracts at least this
 # deep (or the whole dim), so its matmul, [1024, 512] x [512, 1024] at GLM-5's expert shapes, outweighs it.
 MIN_CONTRACTED_TILE = 512
-# Under v5p's 16 MiB default scoped VMEM (v6e: 32 MiB), with room for Mosaic's own scratch.
-VMEM_BUDGET = 12 * 2**20
+# What Mosaic gives a kernel that sets no scoped-VMEM limit (megablox sets none): 32 MiB on v6e, 16 MiB on v4, v5e
+# and v5p. The tiles leave 4 MiB of it to Mosaic's own scratch (1.4 MiB measured above 12 MiB of tiles on v5p).
+DEFAULT_SCOPED_VMEM = {6: 32 * 2**20}
+SMALLEST_SCOPED_VMEM = 16 * 2**20
+MOSAIC_SCRATCH = 4 * 2**20
+VMEM_BUDGET = SMALLEST_SCOPED_VMEM - MOSAIC_SCRATCH  # any TPU
+
+
+def vmem_budget(device_kind: str | None) -> int:
+    """VMEM bytes the tiles may take on the TPU jax names `device_kind` ("TPU v6 lite", "TPU v5p", ...); None or
+    an unknown name: the smallest default (VMEM_BUDGET)."""
+    generation = re.match(r"TPU v(\d+)", device_kind or "")
+    scoped = DEFAULT_SCOPED_VMEM.get(int(generation.group(1)) if generation else 0, SMALLEST_SCOPED_VMEM)
+    return scoped - MOSAIC_SCRATCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,29 +103,31 @@ def _row_tiles(m: int, groups: int) -> list[int]:
     return [t for t in tiles if t == LANE or 2 * (groups - 1) <= round_up(m, t) // t]
 
 
-def _fewest_bytes(candidates, hbm_bytes, vmem_bytes, itemsize: int) -> Tiling:
+def _fewest_bytes(candidates, hbm_bytes, vmem_bytes, itemsize: int, budget: int) -> Tiling:
     """The candidate tiling with the fewest HBM bytes within the VMEM budget; among equals the largest tiles
     (fewest grid steps). The smallest candidate when none fits."""
-    fitting = [t for t in candidates if vmem_bytes(t, itemsize) <= VMEM_BUDGET]
+    fitting = [t for t in candidates if vmem_bytes(t, itemsize) <= budget]
     if not fitting:
         return min(candidates, key=lambda t: (vmem_bytes(t, itemsize), t))
     return min(fitting, key=lambda t: (hbm_bytes(t), -t[0] * t[1] * t[2], t))
 
 
-def _gmm_tiles(m: int, contracted: int, out: int, groups: int, tm: int, itemsize: int) -> Tiling:
+def _gmm_tiles(m: int, contracted: int, out: int, groups: int, tm: int, itemsize: int, budget: int) -> Tiling:
     deep = [t for t in _divisor_tiles(contracted) if t >= min(MIN_CONTRACTED_TILE, contracted)]
     candidates = [(tm, tc, to) for tc, to in itertools.product(deep, _divisor_tiles(out))]
     return _fewest_bytes(candidates, lambda t: gmm_hbm_bytes(m, contracted, out, groups, t, itemsize),
-                         gmm_vmem_bytes, itemsize)
+                         gmm_vmem_bytes, itemsize, budget)
 
 
 @functools.lru_cache(maxsize=None)
-def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Tiling | None = None) -> GroupedTiles:
-    """The three kernels' tiles for M rows and K, N already padded to multiples of LANE.
+def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Tiling | None = None,
+                 budget: int = VMEM_BUDGET) -> GroupedTiles:
+    """The three kernels' tiles for M rows and K, N already padded to multiples of LANE, within `budget` bytes of
+    VMEM (`vmem_budget` of the chip).
 
     A given `tiling` (rows, K, N) is used for all three as before: clamped to the dims (K and N: the largest
     divisors up to it; the input gradient swaps its K and N tiles). Otherwise each kernel's tiles are those with
-    the fewest HBM bytes by its cost model within VMEM_BUDGET (`_fewest_bytes`); the two `gmm` share one row
+    the fewest HBM bytes by its cost model within the budget (`_fewest_bytes`); the two `gmm` share one row
     tile (the one with the fewest bytes over both), the `tgmm` takes any dividing the padded rows."""
     if tiling is not None:
         max_tm, max_tk, max_tn = tiling
@@ -122,12 +137,12 @@ def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Til
 
     def for_row_tile(tm: int) -> GroupedTiles:
         rows = round_up(m, tm)
-        forward = _gmm_tiles(rows, k, n, groups, tm, itemsize)
-        input_grad = _gmm_tiles(rows, n, k, groups, tm, itemsize)
+        forward = _gmm_tiles(rows, k, n, groups, tm, itemsize, budget)
+        input_grad = _gmm_tiles(rows, n, k, groups, tm, itemsize, budget)
         weight_candidates = [(r, tk, tn) for r in _row_tiles(rows, groups) if rows % r == 0
                              for tk in _divisor_tiles(k) for tn in _divisor_tiles(n)]
         weight_grad = _fewest_bytes(weight_candidates, lambda t: tgmm_hbm_bytes(rows, k, n, groups, t, itemsize),
-                                    tgmm_vmem_bytes, itemsize)
+                                    tgmm_vmem_bytes, itemsize, budget)
         return GroupedTiles(forward, input_grad, weight_grad)
 
     def total_bytes(tiles: GroupedTiles) -> int:
@@ -167,13 +182,15 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
-                       tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
-    """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`)."""
+                       tiling: Tiling | None = None, interpret: bool = False,
+                       device_kind: str | None = None) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`), tiled for the TPU
+    named `device_kind` (None: any)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)
     tiles = choose_tiles(round_up(m, LANE), k_pad, n_pad, rhs.shape[0], jnp.dtype(lhs.dtype).itemsize,
-                         None if tiling is None else tuple(tiling))
+                         None if tiling is None else tuple(tiling), vmem_budget(device_kind))
     lhs = pad_axis(pad_axis(lhs, 0, round_up(m, tiles.row_multiple)), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
     out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret)

@@ -37,6 +37,16 @@ def compiled_platform(platform: str | None = None) -> str:
     return default_platform()
 
 
+def compiled_device_kind() -> str | None:
+    """jax's name of the chip compiled for ("TPU v6 lite", "NVIDIA H200", ...): that of the mesh being traced
+    under (a pod described on a CPU host included), else of the default device; None when neither names one."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.device_kind
+    default = jax.config.jax_default_device
+    return getattr(default, "device_kind", None) or jax.devices()[0].device_kind
+
+
 def kernels_for_devices(config: ModelConfig, devices: Sequence[jax.Device]) -> ModelConfig:
     """`config` with its DSA kernels built for `devices`: with the Pallas backend, `pallas_platform: auto` becomes
     the devices' platform ("tpu" or "gpu"; a TPU pod or GPU cluster described on a CPU host would otherwise get

@@ -16,7 +16,8 @@ import pytest
 from glm5_jax.config import ConfigError
 from glm5_jax.distributed.batch_local import mesh_platform
 from glm5_jax.model.experts import experts_ragged, experts_reference
-from glm5_jax.ops.platform import compiled_platform, kernels_for_devices
+from glm5_jax.ops.platform import compiled_device_kind, compiled_platform, kernels_for_devices
+from glm5_jax.parallel.topology import get_topology
 from pallas_kernels._common import resolve_interpret
 from pallas_model import small_pallas_model
 
@@ -66,3 +67,21 @@ def test_the_default_device_sets_the_platform_on_an_accelerator_host(monkeypatch
     with jax.default_device(jax.devices("cpu")[0]):
         got = jax.jit(lambda *a: experts_ragged(*a, platform=mesh_platform(None)))(experts, x, expert_ids, weights)
     np.testing.assert_allclose(got, experts_reference(experts, x, expert_ids, weights), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.tpu_aot
+def test_the_chip_compiled_for_names_itself_inside_shard_map():
+    """The grouped matmul sizes its tiles from the chip's VMEM: traced for a v6e pod described on this CPU host,
+    the chip is the v6e, not the host."""
+    mesh = jax.sharding.Mesh(np.array(get_topology("v6e-8").devices()), ("chips",))
+    seen = []
+
+    def local(x):
+        seen.append(compiled_device_kind())
+        return x
+
+    spec = jax.sharding.PartitionSpec("chips")
+    jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)).trace(
+        jax.ShapeDtypeStruct((8,), jnp.float32))
+    assert seen == ["TPU v6 lite"]
+    assert compiled_device_kind() == jax.devices()[0].device_kind  # outside: the default device's

@@ -20,7 +20,8 @@ Counted:
   FLOPs are attributed to the JAX operation they came from (`op_name` metadata).
 - HBM bytes: for every op executed at the level of ENTRY, while bodies, conditional branches and calls (not
   the ops inside a fusion, which stay on chip), the bytes of its operands and outputs. Two refinements follow
-  XLA's cost analysis: a dynamic slice (or a fusion parameter only sliced) reads the slice, and a dynamic
+  XLA's cost analysis: a slice, dynamic slice, async `slice-start` (XLA:TPU's sliced prefetch into VMEM reads a
+  buffer in slices, each one a slice-start) or fusion parameter only sliced reads the slice, and a dynamic
   update slice (or a fusion whose root is one) reads and writes the update, not the buffer it updates in
   place. Arrays count as stored: padded to their layout's tiles (XLA:TPU's `T(8,128)`), and not at all when
   the layout puts them in on-chip memory (`S(1)`: a weight prefetched into VMEM is read from HBM once, by its
@@ -107,6 +108,24 @@ def _arrays(type_text: str, stored: bool = False) -> tuple[tuple[str, tuple[int,
 
 def _bytes(arrays) -> int:
     return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays)
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type `(a, (b, c), d)`."""
+    inner, parts, depth, start = type_text.strip()[1:-1], [], 0, 0
+    for i, char in enumerate(inner):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    return parts + [inner[start:].strip()]
+
+
+def _slice_traffic(result_type: str) -> int:
+    """HBM bytes of a slice with result `result_type`: its part of the operand read (as stored in HBM) and the
+    result written where its layout puts it (nothing to HBM when that is on chip, `S(n)`)."""
+    read = _arrays(re.sub(r"S\(\d+\)", "", result_type), stored=True)
+    return _bytes(read) + _bytes(_arrays(result_type, stored=True))
 
 
 @dataclasses.dataclass
@@ -587,8 +606,10 @@ def _add_instruction(totals: _Totals, inst: _Instruction, comp: _Computation, co
         elif op == "copy-start":  # returns (destination, source, context): only the destination is written
             destination = _arrays(_ARRAY.search(inst.type_text).group(0), stored=True)
             traffic = sum(_bytes(shape) for shape in operand_shapes) + _bytes(destination)
-        elif op == "dynamic-slice":
-            traffic = 2 * _bytes(_arrays(inst.type_text, stored=True))
+        elif op in ("dynamic-slice", "slice"):
+            traffic = _slice_traffic(inst.type_text)
+        elif op == "slice-start":  # ((operand), slice, context): only the slice is read
+            traffic = _slice_traffic(_tuple_elements(inst.type_text)[1])
         elif op == "dynamic-update-slice":
             traffic = 2 * _bytes(operand_shapes[1])
         totals.hbm += traffic

@@ -23,7 +23,8 @@ Counted:
   XLA's cost analysis: a slice, dynamic slice, async `slice-start` (XLA:TPU's sliced prefetch into VMEM reads a
   buffer in slices, each one a slice-start) or fusion parameter only sliced reads the slice, and a dynamic
   update slice (or a fusion whose root is one) reads and writes the update, not the buffer it updates in
-  place. Arrays count as stored: padded to their layout's tiles (XLA:TPU's `T(8,128)`), and not at all when
+  place; a ragged all-to-all reads what it sends and writes its result, not reading the output buffer it
+  updates in place. Arrays count as stored: padded to their layout's tiles (XLA:TPU's `T(8,128)`), and not at all when
   the layout puts them in on-chip memory (`S(1)`: a weight prefetched into VMEM is read from HBM once, by its
   copy). A kernel with a declared cost counts its declared bytes. Not counted: tuples, get-tuple-element,
   bitcasts, parameters and constants (no data moves), the while condition, and caches (every other access
@@ -612,6 +613,8 @@ def _add_instruction(totals: _Totals, inst: _Instruction, comp: _Computation, co
             traffic = _slice_traffic(_tuple_elements(inst.type_text)[1])
         elif op == "dynamic-update-slice":
             traffic = 2 * _bytes(operand_shapes[1])
+        elif op == "ragged-all-to-all":  # its output operand is updated in place: the received rows are written
+            traffic -= _bytes(operand_shapes[1])
         totals.hbm += traffic
         totals.hbm_by_source[source] += traffic
     if flops > 0:  # no zero entries by source

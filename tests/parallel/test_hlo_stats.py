@@ -366,6 +366,23 @@ def test_a_sliced_prefetch_reads_its_buffer_once_and_writes_nothing_to_hbm():
     # its 6.9 TB from these); the dynamic slice reads its 8 rows. The VMEM results cost no HBM.
     assert hlo_stats(PREFETCH_HLO, num_devices=1).hbm_bytes == 16 * 2**20 + 8 * 1024 * 4
 
+RAGGED_HLO = """
+HloModule jit_r
+
+ENTRY %main (send: bf16[1024,256], out: bf16[2048,256], offsets: s32[4]) -> bf16[2048,256] {
+  %send = bf16[1024,256]{1,0} parameter(0)
+  %out = bf16[2048,256]{1,0} parameter(1)
+  %offsets = s32[4]{0} parameter(2)
+  ROOT %ra = bf16[2048,256]{1,0} ragged-all-to-all(%send, %out, %offsets, %offsets, %offsets, %offsets), replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_a_ragged_all_to_all_reads_what_it_sends_and_writes_its_result():
+    # Not the output buffer it updates in place (the zero-fill that made it is an op of its own).
+    send, result, offsets = 1024 * 256 * 2, 2048 * 256 * 2, 4 * 4
+    assert hlo_stats(RAGGED_HLO, num_devices=4).hbm_bytes == send + 4 * offsets + result
+
 def test_hbm_bytes_of_a_loop_free_module_equal_xla_cost_analysis():
     def mlp(x, w1, w2):
         return jnp.tanh(jax.nn.gelu(x @ w1) @ w2) + x

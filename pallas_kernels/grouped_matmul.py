@@ -45,7 +45,7 @@ def resolve_grouped_platform(platform: str | None) -> str:
     return platform
 
 
-def _validate(lhs, rhs, group_sizes, group_offset, tiling) -> None:
+def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind) -> None:
     if getattr(lhs, "ndim", None) != 2:
         raise ValueError(f"lhs must be [M, K]; got shape {getattr(lhs, 'shape', type(lhs).__name__)}")
     if getattr(rhs, "ndim", None) != 3:
@@ -70,6 +70,9 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling) -> None:
                          f"must be in [0, {total - held}]")
     if tiling is not None and (len(tiling) != 3 or not all(isinstance(t, int) and t > 0 for t in tiling)):
         raise ValueError(f"tiling must be None or three positive ints (rows, K, N tile); got {tiling!r}")
+    if device_kind is not None and not isinstance(device_kind, str):
+        raise ValueError(f"device_kind must be None or jax's name of a device (e.g. 'TPU v6 lite'); "
+                         f"got {device_kind!r}")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -85,7 +88,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use, for all three kernels; each
     is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`). `device_kind`
     (jax's name of the TPU compiled for, e.g. "TPU v6 lite"; None: any TPU) sets the TPU tiles' VMEM budget."""
-    _validate(lhs, rhs, group_sizes, group_offset, tiling)
+    _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind)
     platform = resolve_grouped_platform(platform)
     if platform == "cpu":
         return grouped_matmul_reference(lhs, rhs, group_sizes, group_offset=group_offset)

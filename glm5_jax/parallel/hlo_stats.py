@@ -24,8 +24,8 @@ Counted:
   buffer in slices, each one a slice-start) or fusion parameter only sliced reads the slice, and a dynamic
   update slice (or a fusion whose root is one) reads and writes the update, not the buffer it updates in
   place; a ragged all-to-all reads what it sends and writes its result, not reading the output buffer it
-  updates in place. Arrays count as stored: padded to their layout's tiles (XLA:TPU's `T(8,128)`), and not at all when
-  the layout puts them in on-chip memory (`S(1)`: a weight prefetched into VMEM is read from HBM once, by its
+  updates in place. Arrays count as stored: padded to their layout's tiles (XLA:TPU's `T(8,128)`), and not at
+  all when the layout puts them in on-chip memory (`S(1)`: a weight prefetched into VMEM is read from HBM once, by its
   copy). A kernel with a declared cost counts its declared bytes. Not counted: tuples, get-tuple-element,
   bitcasts, parameters and constants (no data moves), the while condition, and caches (every other access
   is taken to reach HBM, so this is an upper bound on a fusion's traffic, like XLA's own figure). Against

@@ -188,6 +188,7 @@ def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims_and_shared_memory():
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_sizes=jnp.zeros((2,))), "int32"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), platform="npu"), "platform must be one of"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), tiling=(128, 0, 128)), "tiling must be"),
+    (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), device_kind=6), "device_kind must be None or"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_offset=jnp.zeros((1,), jnp.int32)),
      "group_offset must be an int or an integer scalar"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_sizes=jnp.zeros((3,), jnp.int32), group_offset=2),

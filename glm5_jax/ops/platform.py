@@ -24,6 +24,12 @@ def uses_tpu_kernels(config: ModelConfig) -> bool:
     return uses_kernels(config) and resolve_platform(config.pallas_options.get("platform")) == "tpu"
 
 
+def _traced_mesh_device():
+    """The device of the mesh being traced under (inside `shard_map`: the devices compiled for, such as a TPU pod
+    described on a CPU host), or None outside one."""
+    return getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+
+
 def compiled_platform(platform: str | None = None) -> str:
     """`platform` if given; else that of the mesh being traced under (inside `shard_map` it names the devices
     compiled for, such as a TPU pod described on a CPU host); else that of `jax.default_device` when one is set
@@ -31,20 +37,18 @@ def compiled_platform(platform: str | None = None) -> str:
     kernel was lowered for the CPU); else the default backend."""
     if platform is not None:
         return platform
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if device is not None:
-        return device.platform
-    return default_platform()
+    device = _traced_mesh_device()
+    return default_platform() if device is None else device.platform
 
 
-def compiled_device_kind() -> str | None:
+def compiled_device_kind() -> str:
     """jax's name of the chip compiled for ("TPU v6 lite", "NVIDIA H200", ...): that of the mesh being traced
-    under (a pod described on a CPU host included), else of the default device; None when neither names one."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    under (a pod described on a CPU host included), else of `jax.default_device` when it is a device, else of
+    the first device."""
+    device = _traced_mesh_device()
     if device is not None:
         return device.device_kind
-    default = jax.config.jax_default_device
-    return getattr(default, "device_kind", None) or jax.devices()[0].device_kind
+    return getattr(jax.config.jax_default_device, "device_kind", None) or jax.devices()[0].device_kind
 
 
 def kernels_for_devices(config: ModelConfig, devices: Sequence[jax.Device]) -> ModelConfig:

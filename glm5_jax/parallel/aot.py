@@ -21,10 +21,11 @@ import jax
 
 from glm5_jax.config.experiment import ExperimentConfig
 from glm5_jax.model.flops import training_flops_per_token
-from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats, hlo_stats
+from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats, flops_in_scope, hlo_stats
 from glm5_jax.parallel.plan import PlanSettings, plan
 from glm5_jax.parallel.topology import GIB, ChipSpec, Topology
 from glm5_jax.parallel.trainer import build_trainer
+from glm5_jax.train.step import OPTIMIZER_SCOPE
 
 
 TOP_SOURCES = 8  # FLOPs and collective bytes are attributed to the JAX operations they came from, largest first
@@ -87,7 +88,8 @@ def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | No
                          "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes,
                          "generated_code": memory.generated_code_size_in_bytes, "total": total},
         "hbm_bytes": chip.hbm_bytes, "fits": total <= chip.hbm_bytes,
-        "matmul_flops": stats.matmul_flops, "kernel_flops": stats.kernel_flops,
+        "matmul_flops": stats.matmul_flops, "optimizer_flops": flops_in_scope(stats, OPTIMIZER_SCOPE),
+        "kernel_flops": stats.kernel_flops,
         "kernels_without_cost": stats.kernels_without_cost,
         "xla_cost_flops_loops_once": float(cost.get("flops", 0.0)),
         "model_flops": model_flops_per_chip, "hbm_traffic_bytes": stats.hbm_bytes,
@@ -149,7 +151,11 @@ def format_report(report: dict, config_path: str) -> str:
         f"glm5 plan estimate: {_gib(report['plan_total_bytes'])} = {report['plan_over_compiled']:.2f}x compiled",
         f"per-chip matmul FLOPs: {report['matmul_flops']:.4g} (model FLOPs {report['model_flops']:.4g}; Pallas "
         f"kernels' declared {report['kernel_flops']:.4g}; XLA cost_analysis, loop bodies once: "
-        f"{report['xla_cost_flops_loops_once']:.4g}); largest sources:",
+        f"{report['xla_cost_flops_loops_once']:.4g})",
+        f"  the optimizer's {report['optimizer_flops']:.4g}; the model's forward and backward "
+        f"{report['matmul_flops'] - report['optimizer_flops']:.4g} = "
+        f"{(report['matmul_flops'] - report['optimizer_flops']) / report['model_flops']:.3f}x the model count; "
+        "largest sources:",
     ]
     for source, flops in report.get("matmul_flops_by_source", {}).items():
         lines.append(f"  {flops / report['matmul_flops']:6.1%}  {flops:.3g}  {source}")

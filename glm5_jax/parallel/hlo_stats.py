@@ -626,6 +626,12 @@ def _called(inst: _Instruction) -> dict[str, list[str]]:
             for key, value in _CALLED.findall(inst.rest)}
 
 
+def flops_in_scope(stats: HloStats, scope: str) -> float:
+    """Matmul FLOPs of the instructions whose JAX operation ran inside `jax.named_scope(scope)` (the first part of
+    their source once the jit and transform wrappers are dropped)."""
+    return sum(flops for source, flops in stats.flops_by_source.items() if source.split("/", 1)[0] == scope)
+
+
 def hlo_stats(text: str, num_devices: int, node_of_device: Sequence[int] | None = None) -> HloStats:
     """Counts of a compiled per-device HLO module. `node_of_device[i]`: the node (host) of logical device i,
     to split collective bytes into intra- and inter-node; None puts every collective on one node."""

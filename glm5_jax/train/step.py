@@ -21,6 +21,10 @@ from glm5_jax.train.balancing import update_correction_biases
 from glm5_jax.train.finite_guard import keep_state_unless_finite
 from glm5_jax.train.objective import LM_BATCH_KEYS, make_objective
 
+# The name scope of the optimizer's update in the step's HLO metadata (op_name "jit(step)/optimizer/..."): `glm5
+# compile` reports those FLOPs apart from the model's forward and backward (Muon's Newton-Schulz products).
+OPTIMIZER_SCOPE = "optimizer"
+
 
 class TrainState(NamedTuple):
     step: jax.Array
@@ -111,8 +115,9 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
         dens = objective.denominators(batch)
         grads, sums, counts = _accumulated_gradients(objective, params, batch, dens, train_config.microbatches)
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope(OPTIMIZER_SCOPE):  # `glm5 compile` counts the optimizer's FLOPs apart by this name
+            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            new_params = optax.apply_updates(params, updates)
         if objective.updates_router_bias:
             new_params = update_correction_biases(new_params, counts, train_config.bias_update_rate,
                                                   config=model_config)

@@ -19,7 +19,7 @@ from xla_env import subprocess_env
 from glm5_jax.cli import main
 from glm5_jax.config.experiment import load_experiment
 from glm5_jax.parallel.aot import CompileError, abstract_train_step, roofline
-from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats
+from glm5_jax.parallel.hlo_stats import INTER_NODE, INTRA_NODE, HloStats, hlo_stats
 from glm5_jax.parallel.topology import CHIPS, TopologyError, get_topology
 from pallas_kernels.shared_memory import shared_memory_limit
 
@@ -54,7 +54,7 @@ def record_compiles(monkeypatch) -> list:
 @pytest.mark.slow
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, mesh", [
-    ("v5p-8", ["mesh.fsdp=4"]),  # the recipes' jnp sparse attention
+    ("v5p-8", ["mesh.fsdp=4", "optim.name=muon"]),  # the recipes' jnp sparse attention and Muon
     ("v6e-8", ["mesh.fsdp=4", "mesh.data=2", *PALLAS_DSA, "model.pallas_platform=tpu", NO_MTP])])
 def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch):
     compiles = record_compiles(monkeypatch)  # the step is compiled once, by the command
@@ -86,6 +86,10 @@ def test_compile_prints_xla_memory_and_fits(topology, mesh, capsys, monkeypatch)
     assert roof["step_s"] == max(roof["compute_s"], roof["hbm_s"], roof["collective_s"]) > 0
     assert re.search(r"^roofline: compute [\d.]+ ms, HBM [\d.]+ ms, collectives [\d.]+ ms", out, re.M)
     text = compiled.as_text()
+    # The optimizer's matmuls are reported apart, every one of them attributed (no dot without its op_name).
+    assert "(no metadata)" not in hlo_stats(text, report["chips"]).flops_by_source
+    assert (report["optimizer_flops"] > 0) == ("optim.name=muon" in mesh), report["optimizer_flops"]
+    assert re.search(r"^  the optimizer's [\d.e+]+; the model's forward and backward [\d.e+]+ = [\d.]+x", out, re.M)
     kernels = mosaic_kernels(text)
     grouped_matmuls = [name for name in kernels if name in ("gmm", "tgmm")]  # the routed experts, in both
     assert len(grouped_matmuls) >= 3 and "triton" not in text, kernels

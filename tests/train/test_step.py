@@ -238,3 +238,45 @@ def test_bad_batches_are_rejected_before_compiling():
         step(state, {**batch, "tokens": batch["tokens"].at[0, 0].set(MODEL.vocab_size)})
     with pytest.raises(ConfigError, match="train.mode"):
         TrainConfig(mode="finetune").validate()
+
+
+@pytest.mark.slow
+def test_the_optimizer_scope_holds_muons_newton_schulz_flops_and_none_of_the_models():
+    """`glm5 compile` reports the optimizer's matmul FLOPs apart (`OPTIMIZER_SCOPE`). Muon adds exactly its
+    Newton-Schulz products to the step, ns_steps x (4 p^2 q + 2 p^3) per matrix of p x q (p <= q: X X^T, A A,
+    B X), every loop trip counted; AdamW adds none. XLA:CPU's library fusions drop some dots' op_name, so on CPU
+    the scope holds only part of them (the TPU compile in tests/parallel/test_compile_cli.py holds them all)."""
+    from optax.contrib import MuonDimensionNumbers
+
+    from glm5_jax.parallel.hlo_stats import flops_in_scope, hlo_stats
+    from glm5_jax.train.muon_layerwise import fans
+    from glm5_jax.train.optim import _dimension_numbers_fn, param_path_labels
+    from glm5_jax.train.step import OPTIMIZER_SCOPE
+
+    params = random_params(MODEL, seed=0)
+    batch = _batch()
+
+    def counted(optim):
+        tx = make_optimizer(optim, params, config=MODEL)
+        step = make_train_step(MODEL, _train_config(), tx)
+        state = jax.eval_shape(lambda p: init_train_state(p, tx), params)
+        stats = hlo_stats(step.jitted.trace(state, batch).lower().compile().as_text(), 1)
+        return stats.matmul_flops, flops_in_scope(stats, OPTIMIZER_SCOPE)
+
+    muon = OptimConfig(name="muon", muon_split=False, ns_steps=5)
+    muon_total, muon_optimizer = counted(muon)
+    adamw_total, adamw_optimizer = counted(OptimConfig(name="adamw"))
+    labels = jax.tree.leaves(param_path_labels(params, muon, config=MODEL))
+    expected = 0
+    dims_tree = _dimension_numbers_fn(False, MODEL)(params)
+    all_dims = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+    for leaf, dims, label in zip(jax.tree.leaves(params), all_dims, labels):
+        if label != "muon":
+            continue
+        fan_in, fan_out = fans(leaf.shape, dims)
+        p, q = min(fan_in, fan_out), max(fan_in, fan_out)
+        matrices = leaf.size // (fan_in * fan_out)
+        expected += matrices * muon.ns_steps * (4 * p * p * q + 2 * p ** 3)
+    assert adamw_optimizer == 0 and expected > 0
+    assert muon_total - adamw_total == expected
+    assert 0 < muon_optimizer <= expected

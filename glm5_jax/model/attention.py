@@ -130,7 +130,7 @@ class MLA(nnx.Module):
         config = self.config
         batch, num_queries = proj.q_nope.shape[:2]
         num_keys = proj.rows.shape[1]
-        if self._selection_is_causal_mask(num_queries, num_keys, mesh) and isinstance(q_offset, int) \
+        if self.selection_is_causal_mask(num_queries, num_keys, mesh) and isinstance(q_offset, int) \
                 and q_offset == 0 and q_segment_ids is k_segment_ids:
             heads = causal_attention(*self.expanded_inputs(proj), q_segment_ids, config=config, mesh=mesh)
         elif choose_backend(config, batch, num_queries, num_keys) == "dense":
@@ -149,9 +149,9 @@ class MLA(nnx.Module):
             heads = self.latent_to_heads(latent_out)
         return self.output_projection(heads)
 
-    def _selection_is_causal_mask(self, num_queries: int, num_keys: int, mesh) -> bool:
+    def selection_is_causal_mask(self, num_queries: int, num_keys: int, mesh) -> bool:
         """Whether the kernels attend by flash attention over every visible key: the queries' own keys, all
-        of them selected (T <= index_topk)."""
+        of them selected (T <= index_topk). Such a layer runs no top-k (`DecoderLayer`)."""
         return flash_attends(self.config, num_queries, num_keys, mesh) and selects_every_key(self.config, num_keys)
 
     def attend_cached(self, proj: Projection, indices: jax.Array, cache: LayerCache,
@@ -189,7 +189,7 @@ class MLA(nnx.Module):
                                   mesh=None) -> tuple[jax.Array, jax.Array]:
         """Attention over the selected keys [B, S, D] and the head-mean probability target there [B, S, N]
         (0 on unused slots). `indices` select among the queries' own tokens, `segment_ids` [B, S]."""
-        if self._selection_is_causal_mask(indices.shape[1], proj.rows.shape[1], mesh):
+        if self.selection_is_causal_mask(indices.shape[1], proj.rows.shape[1], mesh):
             heads, every_key = causal_attention_with_target(*self.expanded_inputs(proj), self.absorbed_queries(proj),
                                                             proj.rows, segment_ids, config=self.config, mesh=mesh)
             target = jnp.take_along_axis(every_key, jnp.maximum(indices, 0), axis=-1)

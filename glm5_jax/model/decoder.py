@@ -18,6 +18,7 @@ from glm5_jax.model.indexer_kl import attend_with_indexer_kl, scores_at
 from glm5_jax.model.kv_cache import KVCache, LayerCache
 from glm5_jax.model.layers import Scale, SwiGLU
 from glm5_jax.model.moe import MoE
+from glm5_jax.ops.causal_attention import causal_selection
 
 
 class LayerOutput(NamedTuple):
@@ -90,20 +91,26 @@ class DecoderLayer(nnx.Module):
             def shared_topk():
                 return prev_topk, scores_at(indexer, h, proj, prev_topk, ctx, mesh) if keep_scores else None
 
-            if topk_override is not None:
+            # T <= index_topk with the kernels' flash attention: the top-k would keep every visible key, so none
+            # runs and nothing of it is saved for the backward (the sparse KL then runs over every visible key).
+            every_key = topk_override is None and self.attn.selection_is_causal_mask(x.shape[1], x.shape[1], mesh)
+            if every_key:
+                topk, scores = causal_selection(ctx.segment_ids, min(self.config.index_topk, x.shape[1])), None
+            elif topk_override is not None:
                 topk, scores = topk_override.astype(jnp.int32), None
             elif run_indexer is True:
                 topk, scores = own_topk()
             else:
                 topk, scores = jax.lax.cond(run_indexer, own_topk, shared_topk)
-            topk = checkpoint_name(topk, "dsa_topk")  # remat policies keep it (config.ALWAYS_SAVED)
+            if not every_key:
+                topk = checkpoint_name(topk, "dsa_topk")  # remat policies keep it (config.ALWAYS_SAVED)
             if scores is not None:
                 scores = checkpoint_name(scores, "dsa_topk_scores")  # so is this, or the recompute reruns top-k
             if indexer_mode is None:
                 attn_out = self.attn.attend(proj, topk, ctx.segment_ids, ctx.segment_ids, mesh=mesh)
             else:
                 attn_out, kl_aux = attend_with_indexer_kl(self.attn, indexer, h, proj, topk, ctx, indexer_mode, mesh,
-                                                          scores)
+                                                          scores, every_key=every_key)
         x = x + attn_out
         h = self.post_attn_norm.rms_norm(x, eps)
         if hasattr(self, "moe"):

@@ -3,7 +3,9 @@
 Target per query: p = L1-normalised head sum of the main attention probabilities (a stop-gradient target).
 Indexer distribution: softmax of the index scores. Loss per query: KL(p || softmax(I)).
 - `dense_warmup`: attention stays dense over every visible key; the KL runs over all of them.
-- `sparse`: attention over the selected top-k only; the KL is restricted to the selected set.
+- `sparse`: attention over the selected top-k only; the KL is restricted to the selected set. Where the top-k
+  would keep every visible key and the kernels attend by flash attention, no top-k runs and the KL is the one
+  over every visible key (the same set), as in the warm-up.
 The indexer reads detached inputs, so it learns only from the KL and the model only from the LM loss.
 Under context parallelism every per-query term runs on each chip's queries against the keys gathered over
 `context` (`glm5_jax.distributed.context_local`); the masks and sums over [B, S] stay global arrays.
@@ -96,22 +98,29 @@ def scores_at(indexer: Indexer, h: jax.Array, proj: Projection, topk: jax.Array,
 
 def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Projection, topk: jax.Array,
                            ctx: LayerContext, mode: str, mesh=None,
-                           scores: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                           scores: jax.Array | None = None, every_key: bool = False) -> tuple[jax.Array, dict]:
     """Returns (attention output [B, S, D], {indexer_kl_sum, indexer_kl_count, topk_mass_sum}). `scores`: this
-    indexer's scores at `topk` [B, S, N] (the top-k's own); without them the sparse mode gathers them."""
+    indexer's scores at `topk` [B, S, N] (the top-k's own); without them the sparse mode gathers them.
+    `every_key`: `topk` is the causal mask itself (`ops.causal_selection`, no top-k ran), so the sparse mode's KL
+    over the selection is the one over every visible key, from the dense index scores as in the warm-up."""
+    if mode not in INDEXER_MODES:
+        raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")
     config = attn.config
     q_i, w_i, k_i = indexer(jax.lax.stop_gradient(h), jax.lax.stop_gradient(proj.q_resid), ctx.cos, ctx.sin)
     segment_ids = ctx.segment_ids
-    if mode == "dense_warmup":
+    if mode == "dense_warmup" or every_key:
         # Keys by natural position, queries in the layers' order (load-balanced under a context split).
         natural_segments = to_natural(segment_ids, mesh)
         visible = to_balanced(visible_keys(natural_segments, natural_segments), mesh)
         out, p = attn.attend_dense_with_target(proj, visible, segment_ids, mesh)
         p = jax.lax.stop_gradient(p)  # rows sum to 1 over the visible keys
+        if every_key:
+            p = checkpoint_name(p, "dsa_target")  # the sparse stage's target, as below
         scores = indexer_scores(q_i, k_i, w_i, segment_ids, config=config, mesh=mesh)
         kl = _kl(p, scores, visible)
-        captured = (p * selected_mask(topk, p.shape[-1])).sum(-1)
-    elif mode == "sparse":
+        captured = (jnp.where(ctx.token_mask, 1.0, 0.0) if every_key
+                    else (p * selected_mask(topk, p.shape[-1])).sum(-1))
+    else:
         out, p = attn.attend_sparse_with_target(proj, topk, segment_ids, mesh)
         p = checkpoint_name(jax.lax.stop_gradient(p), "dsa_target")
         if scores is None:
@@ -123,8 +132,6 @@ def attend_with_indexer_kl(attn: MLA, indexer: Indexer, h: jax.Array, proj: Proj
                            mesh, (p, scores, q_i, w_i, topk), (k_i,),
                            local_rows=uses_selected_scores_kernel(config))
         captured = jnp.where(ctx.token_mask, 1.0, 0.0)  # the attention *is* the selected set
-    else:
-        raise ValueError(f"indexer_mode={mode!r} is invalid: must be one of {INDEXER_MODES}")
     real = ctx.token_mask.astype(jnp.float32)
     aux = {
         "indexer_kl_sum": (kl * real).sum(),

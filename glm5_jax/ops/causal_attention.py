@@ -12,6 +12,7 @@ choose the dense form for short sequences, `model.attention.choose_backend`).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import context_split
@@ -30,6 +31,19 @@ def flash_attends(config: ModelConfig, num_queries: int, num_keys: int, mesh=Non
 def selects_every_key(config: ModelConfig, num_keys: int) -> bool:
     """A top-k over at most index_topk keys keeps every visible one: the selection is the causal mask."""
     return num_keys <= config.index_topk
+
+
+def causal_selection(segment_ids: jax.Array, num_slots: int) -> jax.Array:
+    """The selection a top-k keeping every visible key makes, without scoring any: int32 [B, S, num_slots], slot j
+    of query s holding its segment's j-th token while that is at or before s, else -1 (unused). The same set as
+    the top-k's, valid slots first as in it, in key order instead of score order (every consumer reads it as a
+    set). O(S): a segment starts where the id changes, and segments of a packed row are contiguous."""
+    positions = jnp.arange(segment_ids.shape[1])
+    starts_here = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                                   segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    segment_start = jax.lax.cummax(jnp.where(starts_here, positions, 0), axis=1)  # [B, S]
+    keys = segment_start[:, :, None] + jnp.arange(num_slots)  # [B, S, N]
+    return jnp.where(keys <= positions[:, None], keys, -1).astype(jnp.int32)
 
 
 def causal_attention(queries: jax.Array, keys: jax.Array, values: jax.Array, segment_ids: jax.Array, *,

@@ -84,20 +84,24 @@ def test_the_row_gradient_mode_reaches_the_sparse_kernels(indexer_mode, monkeypa
 def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, indexer_mode, monkeypatch,
                                                                  plain_tpu_interpret):
     """T <= index_topk: the kernels run jax's flash attention over every visible key (expanded form; Mosaic on
-    TPU, Triton on GPU) and, in the DSA stages, the dense target kernel (gathered at the selection in the sparse
-    stage) instead of the sparse MLA kernel; loss and gradients equal the jnp sparse backend's (plain interpret
-    mode: the kernels' own tests run the Mosaic ones in TPU interpret mode)."""
+    TPU, Triton on GPU) and, in the DSA stages, the dense target kernel instead of the sparse MLA kernel, and no
+    top-k (the sparse stage's KL over every visible key); loss and gradients, the indexer's included, equal the
+    jnp sparse backend's, which ranks them (plain interpret mode: the kernels' own tests run the Mosaic ones in
+    TPU interpret mode)."""
     from glm5_jax.config import ModelConfig
+    from glm5_jax.model import indexer
     from glm5_jax.ops import causal_attention
 
     config = dataclasses.replace(CONFIG, index_topk=16)
     params = init(config, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab_size)
     segment_ids = jnp.array([[1] * 6 + [2] * 4])
-    flash_calls = []
+    flash_calls, topk_calls = [], []
     flash = causal_attention.causal_flash_attention
     monkeypatch.setattr(causal_attention, "causal_flash_attention",
                         lambda *a, **k: flash_calls.append(1) or flash(*a, **k))
+    topk = indexer.indexer_topk_with_scores
+    monkeypatch.setattr(indexer, "indexer_topk_with_scores", lambda *a, **k: topk_calls.append(1) or topk(*a, **k))
 
     def loss(p, backend):
         out = forward(p, tokens, config=dataclasses.replace(config, attention_backend=backend),
@@ -107,10 +111,12 @@ def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, index
 
     grad_fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     ref_value, ref_grads = grad_fn(params, "sparse")
-    assert not flash_calls
+    assert not flash_calls and topk_calls
+    topk_calls.clear()
     monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: dict(platform=platform, interpret=True)))
     value, grads = grad_fn(params, "pallas")
     assert flash_calls  # every layer and the MTP step attended through it
+    assert not topk_calls  # and none ranked keys it would all keep, nor saved a selection for the backward
     np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-6)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))

@@ -1,4 +1,5 @@
-"""Layer-wise Muon equals optax's `scale_by_muon` on stacked leaves, keeps only one layer live, and holds one stacked copy.
+"""Layer-wise Muon equals optax's `scale_by_muon` on stacked leaves, runs one layer at a time, and holds
+one stacked copy of a leaf besides the state.
 
 from pathlib import Path
 

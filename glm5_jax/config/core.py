@@ -143,9 +143,9 @@ class ModelConfig:
     pallas_platform: str = "auto"
     # With the kernels, where DSA's selection is the causal mask itself (T <= index_topk; the dense warm-up):
     # attend by flash attention in the expanded form (`glm5_jax.ops.causal_attention`; jax's Mosaic kernels on
-    # TPU, its Triton ones on GPU) instead of the sparse MLA kernel over every visible row. One layer's sparse
-    # stage at 2048 tokens on TPU: 3-4x less roofline time; the v6e-256 recipe turns it off (its whole step: 4%
-    # less HBM traffic but 3.5 GiB more temporaries, over 32 GB).
+    # TPU, its Triton ones on GPU) instead of the sparse MLA kernel over every visible row, and run no top-k (the
+    # sparse stage's KL over every visible key). One layer's sparse stage at 2048 tokens on TPU: 3-4x less
+    # roofline time; the whole v6e-256 step: 27% less HBM traffic (5.29 -> 3.85 TB) for ~1 GiB more temporaries.
     flash_every_key: bool = True
     # How the Triton (GPU) sparse MLA backward sums each selected row's gradients into d(latent): "scatter"
     # (per-slot rows, then XLA's sort and scatter-add) or "atomic" (atomic adds in the kernel; no per-slot

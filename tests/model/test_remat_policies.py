@@ -189,7 +189,7 @@ def test_the_kept_kernels_are_the_attention_forward_kernels():
 
 @pytest.mark.slow
 def test_flash_every_key_false_keeps_the_sparse_mla_kernels(traced):
-    """`flash_every_key: false` (a config whose memory is short, the v6e recipe) attends over every selected key
+    """`flash_every_key: false` (for a config whose memory is short) attends over every selected key
     with the sparse MLA kernels, as where T > N; a value that is not a bool is refused by name."""
     flash, sparse = (traced.kernels("none", index_topk=SEQ, flash_every_key=f) for f in (True, False))
     assert flash["_flash_attention_kernel"] > 0 and "_forward_kernel" not in flash, flash

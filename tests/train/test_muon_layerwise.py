@@ -1,5 +1,5 @@
 """Layer-wise Muon equals optax's `scale_by_muon` on stacked leaves, runs one layer at a time, and holds
-one stacked copy of a leaf besides the state.
+one stacked copy of a leaf besides the state."""
 
 from pathlib import Path
 

@@ -188,12 +188,8 @@ class MLA(nnx.Module):
     def attend_sparse_with_target(self, proj: Projection, indices: jax.Array, segment_ids: jax.Array,
                                   mesh=None) -> tuple[jax.Array, jax.Array]:
         """Attention over the selected keys [B, S, D] and the head-mean probability target there [B, S, N]
-        (0 on unused slots). `indices` select among the queries' own tokens, `segment_ids` [B, S]."""
-        if self.selection_is_causal_mask(indices.shape[1], proj.rows.shape[1], mesh):
-            heads, every_key = causal_attention_with_target(*self.expanded_inputs(proj), self.absorbed_queries(proj),
-                                                            proj.rows, segment_ids, config=self.config, mesh=mesh)
-            target = jnp.take_along_axis(every_key, jnp.maximum(indices, 0), axis=-1)
-            return self.output_projection(heads), jnp.where(indices >= 0, target, 0.0)
+        (0 on unused slots). `indices` select among the queries' own tokens, `segment_ids` [B, S]. (Where they would
+        be every visible key, the layer attends by `attend_dense_with_target` instead: `DecoderLayer`.)"""
         latent, target = sparse_attention_with_target(self.absorbed_queries(proj), proj.rows, indices,
                                                       config=self.config, mesh=mesh)
         return self.output_projection(self.latent_to_heads(latent)), target

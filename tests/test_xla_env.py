@@ -1,10 +1,14 @@
 """The test environment's compilation cache: jax writes without a size limit (a limit makes every write scan the
-whole directory), and one prune per run keeps the newest entries within the byte budget; and its collector."""
+whole directory), and one prune per run keeps the newest entries within the byte budget; and its collector, in
+the test processes and the subprocesses they start."""
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
-from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, GC_THRESHOLDS, prune_compile_cache
+from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, GC_THRESHOLDS, REPO, prune_compile_cache, subprocess_env
 
 
 def _entry(directory, name: str, size: int, written: int):
@@ -45,3 +49,10 @@ def test_the_collector_skips_what_the_imports_made():
     # Set by tests/conftest.py: raised thresholds, and the objects alive after collection frozen.
     assert gc.get_threshold() == GC_THRESHOLDS and gc.get_threshold()[0] > 700
     assert gc.get_freeze_count() > 100_000
+
+
+def test_subprocesses_start_with_the_same_collector_thresholds():
+    code = "import gc, json; print(json.dumps(gc.get_threshold()))"
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert tuple(json.loads(out)) == GC_THRESHOLDS

@@ -26,20 +26,22 @@ BASE_FLAGS = ("--xla_backend_optimization_level=0",)
 # emitters; and one LLVM module per program: XLA:CPU otherwise splits each program's module into parts to
 # compile them in parallel, and the split itself (llvm::SplitModule) took ~9% of the CPU samples of the tiny
 # step's compile (perf), on cores that the two xdist workers keep busy anyway.
-# ptxas without optimisations for the GPU compile tier (the CUDA plugin's AOT compiles; XLA:CPU ignores it): the
-# tests check what compiles, what kernels it holds and their shared memory, not the machine code's speed; 10% of
-# the CPU of a whole h200-16 step's compile. And XLA's matmuls as library calls there instead of generated Triton
-# GEMM fusions (the Pallas kernels are Triton still): the GPU tier took 176 instead of 196 s of CPU (2026-12-04).
+# XLA's matmuls as library calls in the GPU compile tier (the CUDA plugin's AOT compiles; XLA:CPU ignores it)
+# instead of generated Triton GEMM fusions (the Pallas kernels are Triton still): the GPU tier took 176 instead of
+# 196 s of CPU (2026-12-04). Not ptxas at -O0 (`--xla_gpu_disable_gpuasm_optimizations`): it saves 10% of a whole
+# h200-16 step's compile but takes longer on the big Triton kernels (the GLM-5-shaped sparse MLA backward's PTX:
+# 6.8 s at -O0, 3.8 s at -O3), so the tier took 16 s more CPU with it (152 vs 138 and 166 vs 149 s, 2026-12-05).
 OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
-                  "--xla_gpu_disable_gpuasm_optimizations=true", "--xla_gpu_enable_triton_gemm=false")
+                  "--xla_gpu_enable_triton_gemm=false")
 
 # Python's cyclic collector walks the whole heap (jax, torch and transformers are imported by then) in every
 # full collection, and tracing makes objects far faster than the default thresholds (700, 10, 10) expect: the
 # collector took 8.9% of the CPU samples of a warm-cache run of tests/model/test_model.py + tests/train/
 # test_step.py (perf, 2026-12-02), 3.6% with higher thresholds and what collection imported frozen out of the
 # collections (it lives for the whole run). Set by tests/conftest.py, in the xdist workers and a -n 0 run
-# alike; not in subprocesses.
+# alike, and by tests/subprocess_site/sitecustomize.py in the subprocesses they start (`subprocess_env`).
 GC_THRESHOLDS = (10_000, 20, 20)
+SUBPROCESS_SITE = REPO / "tests" / "subprocess_site"
 
 
 def _flag_name(flag: str) -> str:
@@ -105,7 +107,8 @@ def prune_compile_cache(cache_dir: Path, max_bytes: int = CACHE_MAX_BYTES) -> li
 def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """This process's environment for a subprocess running the checkout under test, with `devices` fake CPU
     devices when given."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **extra}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(SUBPROCESS_SITE)]), "JAX_PLATFORMS": "cpu",
+           "GLM5_TEST_GC_THRESHOLDS": ",".join(map(str, GC_THRESHOLDS)), **extra}
     if devices is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if _flag_name(f) != "--xla_force_host_platform_device_count"]

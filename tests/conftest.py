@@ -67,8 +67,8 @@ def _work_units(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
 
 
 # Seconds of the suite's tests over 3 s (setup and teardown included; a grouped test's "@group" suffix dropped), from
-# `pytest -n 2 --durations=0` of the suite at d36d8ba (2026-12-04, cold compile cache, idle 2-core AVX-512 VM; the
-# tests added or renamed since, from their own runs).
+# `CI=true PYTEST_ADDOPTS=--durations=0 bash .ci/run` on a clean clone at 8b36fc2 (2026-12-05, cold compile cache,
+# idle 2-core AVX-512 VM). tests/test_suite_schedule.py checks that each names a test that exists.
 # A test not listed counts SLOW_SECONDS when marked slow, else FAST_SECONDS.
 MEASURED_SECONDS = json.loads((TESTS / "slowest_tests.json").read_text())
 SLOW_SECONDS, FAST_SECONDS = 15, 1

@@ -34,8 +34,8 @@ SMALL = ["train.batch_size=8", "train.seq_len=128", "optim.name=adamw", "model.c
 # in tests/ops and tests/pallas_kernels).
 PALLAS_DSA = ["train.mode=dsa_sparse", "model.attention_backend=pallas"]
 # One MoE layer and no MTP step (whose layer calls the same kernels again): every DSA kernel and the grouped
-# matmuls are in it, and the kernel-checking compiles take less CPU (v6e-8 36 -> 29 -> 22 s of user time, h200-16
-# 41 -> 32 s and less); the v5p-8 compile keeps a dense and an MoE layer and the MTP step.
+# matmuls are in it, and the kernel-checking compiles take less CPU (v6e-8's compile 29 -> 22 s of user time,
+# h200-16's test 21.6 -> 17.8 s alone); the v5p-8 compile keeps a dense and an MoE layer and the MTP step.
 ONE_MOE_LAYER = ["model.num_hidden_layers=1", "model.first_k_dense_replace=0", "model.mtp_num_steps=0"]
 
 

@@ -20,7 +20,12 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # test helpers (hf_reference.py, xla_env.py) live beside this file
 
-from xla_env import GC_THRESHOLDS, configure_test_environment, prune_compile_cache  # noqa: E402
+from xla_env import (  # noqa: E402
+    GC_THRESHOLDS,
+    configure_test_environment,
+    outside_compile_cache,
+    prune_compile_cache,
+)
 
 # Before jax is imported: jax reads JAX_* and XLA reads XLA_FLAGS when they are first used.
 configure_test_environment()
@@ -165,6 +170,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
         yield
     finally:
         jax.config.update("jax_optimization_level", previous)
+
+
+@pytest.fixture(autouse=True)
+def _accelerator_executables_outside_the_cache(request):
+    """The TPU and GPU compile tiers' executables are not written to the persistent compilation cache
+    (`xla_env.outside_compile_cache`): whatever path compiles them (kernel helpers, `glm5 compile`)."""
+    if not any(request.node.get_closest_marker(tier) for tier in ("tpu_aot", "gpu_aot")):
+        yield
+        return
+    with outside_compile_cache():
+        yield
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.gpu_targets import gpu_target_config
+from xla_env import outside_compile_cache
 
 # Custom-call targets of a Pallas Triton kernel: compiled by XLA (jaxlib <= 0.10.2) or by jax while lowering
 # (newer jaxlib).
@@ -47,15 +48,9 @@ def lower_for(fn, args, target: str):
 
 
 def compile_lowered(lowered):
-    """lowered.compile(), kept out of the persistent compilation cache: an executable compiled for a GPU
-    without one cannot be read back from it (every later run would warn and compile again)."""
-    option = "jax_persistent_cache_min_compile_time_secs"
-    previous = getattr(jax.config, option)
-    jax.config.update(option, float("inf"))
-    try:
+    """lowered.compile(), kept out of the persistent compilation cache (`xla_env.outside_compile_cache`)."""
+    with outside_compile_cache():
         return lowered.compile()
-    finally:
-        jax.config.update(option, previous)
 
 
 def triton_kernel_names(compiled_text: str) -> list[str]:

@@ -7,8 +7,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from xla_env import ACCESS_TIME_SUFFIX, CACHE_SUFFIX, GC_THRESHOLDS, REPO, prune_compile_cache, subprocess_env
+from xla_env import (
+    ACCESS_TIME_SUFFIX,
+    CACHE_SUFFIX,
+    GC_THRESHOLDS,
+    REPO,
+    outside_compile_cache,
+    prune_compile_cache,
+    subprocess_env,
+)
 
 
 def _entry(directory, name: str, size: int, written: int):
@@ -56,3 +65,20 @@ def test_subprocesses_start_with_the_same_collector_thresholds():
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert tuple(json.loads(out)) == GC_THRESHOLDS
+
+
+def test_compiles_outside_the_cache_write_no_entry():
+    """The TPU / GPU compile tiers' executables stay out of the persistent cache (tests/conftest.py); a CPU
+    compile shows the mechanism: inside the block nothing is written, after it the same program is."""
+    import jax
+    import numpy as np
+
+    directory = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    entries = lambda: set(directory.glob(f"*{CACHE_SUFFIX}"))  # noqa: E731
+    constant = float(np.random.default_rng().integers(1 << 40))  # a program no earlier run has cached
+    before = entries()
+    with outside_compile_cache():
+        jax.jit(lambda x: x * constant).lower(1.0).compile()
+    assert entries() == before
+    jax.jit(lambda x: x * constant).lower(1.0).compile()
+    assert len(entries() - before) == 1

@@ -5,6 +5,7 @@ check script in such a subprocess and requires its PASS lines."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import subprocess
@@ -114,6 +115,22 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
                  if _flag_name(f) != "--xla_force_host_platform_device_count"]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     return env
+
+
+@contextlib.contextmanager
+def outside_compile_cache():
+    """Compiles in this block stay out of the persistent compilation cache: an executable compiled ahead of time
+    for a TPU or GPU this machine lacks cannot be read back from it (a later run would warn and compile again),
+    and serialising and compressing it costs CPU for nothing."""
+    import jax
+
+    option = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, option)
+    jax.config.update(option, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(option, previous)
 
 
 def run_pass_checks(script: Path, *args: str, expected: Sequence[str], timeout: int = 600) -> str:

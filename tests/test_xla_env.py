@@ -69,16 +69,24 @@ def test_subprocesses_start_with_the_same_collector_thresholds():
 
 def test_compiles_outside_the_cache_write_no_entry():
     """The TPU / GPU compile tiers' executables stay out of the persistent cache (tests/conftest.py); a CPU
-    compile shows the mechanism: inside the block nothing is written, after it the same program is."""
+    compile shows the mechanism: inside the block this program's entry is not written, after it it is. (The
+    directory is shared with the other worker and the subprocesses: only this program's entries are counted.)"""
     import jax
     import numpy as np
 
+    name = f"outside_cache_probe_{np.random.default_rng().integers(1 << 40)}"  # a program no other run has cached
+
+    def compile_probe():  # a new function each time: nothing from JAX's in-memory caches
+        def probe(x):
+            return x * 3.0
+
+        probe.__name__ = probe.__qualname__ = name
+        jax.jit(probe).lower(1.0).compile()
+
     directory = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    entries = lambda: set(directory.glob(f"*{CACHE_SUFFIX}"))  # noqa: E731
-    constant = float(np.random.default_rng().integers(1 << 40))  # a program no earlier run has cached
-    before = entries()
+    entries = lambda: list(directory.glob(f"jit_{name}-*{CACHE_SUFFIX}"))  # noqa: E731
     with outside_compile_cache():
-        jax.jit(lambda x: x * constant).lower(1.0).compile()
-    assert entries() == before
-    jax.jit(lambda x: x * constant).lower(1.0).compile()
-    assert len(entries() - before) == 1
+        compile_probe()
+    assert entries() == []
+    compile_probe()
+    assert len(entries()) == 1

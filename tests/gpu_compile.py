@@ -14,7 +14,6 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.gpu_targets import gpu_target_config
-from xla_env import outside_compile_cache
 
 # Custom-call targets of a Pallas Triton kernel: compiled by XLA (jaxlib <= 0.10.2) or by jax while lowering
 # (newer jaxlib).
@@ -45,12 +44,6 @@ def lower_for(fn, args, target: str):
     sharding = gpu_sharding(target)
     with jax.default_device(sharding.mesh.devices.flat[0]):
         return jax.jit(fn).trace(*on_gpu(args, target)).lower()
-
-
-def compile_lowered(lowered):
-    """lowered.compile(), kept out of the persistent compilation cache (`xla_env.outside_compile_cache`)."""
-    with outside_compile_cache():
-        return lowered.compile()
 
 
 def triton_kernel_names(compiled_text: str) -> list[str]:

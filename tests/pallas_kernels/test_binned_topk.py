@@ -134,10 +134,10 @@ def test_tpu_topk_from_on_chip_bins_selects_and_differentiates_like_the_referenc
 @pytest.mark.gpu_aot
 def test_binned_topk_compiles_for_gpu():
     """The Triton path ranks its bins in XLA: one chunk's top 2048 of 202,752 scores, XLA:GPU for H100."""
-    from gpu_compile import compile_lowered, lower_for, require_cuda_plugin
+    from gpu_compile import lower_for, require_cuda_plugin
 
     require_cuda_plugin()
     scores = jax.ShapeDtypeStruct((1, 256, 202_752), jnp.float32)
-    text = compile_lowered(lower_for(lambda x: binned_topk(x, 2048), (scores,), "h100")).as_text()
+    text = lower_for(lambda x: binned_topk(x, 2048), (scores,), "h100").compile().as_text()
     sorted_rows = [int(n) for n in re.findall(r"= \((?:f32|s32)\[1,256,(\d+)\][^=]*\) sort\(", text)]
     assert sorted_rows and max(sorted_rows) < 202_752, sorted_rows  # candidates and bins, never whole rows

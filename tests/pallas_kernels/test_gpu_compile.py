@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu_compile import compile_lowered, lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
+from gpu_compile import lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
 
 from glm5_jax.parallel.hlo_stats import hlo_stats
 from pallas_kernels import (
@@ -239,7 +239,7 @@ def test_triton_kernel_compiles_for_gpu(target, shape, dtype, name):
     require_cuda_plugin()
     fn, args, kernels = entry_points(SHAPES[shape], DTYPES[dtype])[name]
     lowered = lower_for(fn, args, target)
-    text = compile_lowered(lowered).as_text()
+    text = lowered.compile().as_text()
     names = triton_kernel_names(text)
     assert len(names) == kernels, names
     assert "tpu_custom_call" not in text and "mosaic_gpu" not in text

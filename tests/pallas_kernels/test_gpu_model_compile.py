@@ -7,7 +7,7 @@ kernels are compiled inside `glm5 compile`'s step for an H200 cluster, tests/par
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu_compile import compile_lowered, lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
+from gpu_compile import lower_for, require_cuda_plugin, triton_kernel_names, triton_shared_memory
 from pallas_model import small_pallas_model
 
 from glm5_jax.config import TrainConfig
@@ -38,7 +38,7 @@ def _lowered_step(mode: str):
 def test_pallas_dense_warmup_step_compiles_for_h100():
     require_cuda_plugin()
     lowered = _lowered_step("dsa_warmup")
-    text = compile_lowered(lowered).as_text()
+    text = lowered.compile().as_text()
     kernels = set(triton_kernel_names(text))
     assert "tpu_custom_call" not in text
     # Only the indexer trains: the dense KL target and the indexer scores (forward and backward); the attention

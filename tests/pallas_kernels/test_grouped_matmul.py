@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot_compile import SCOPED_VMEM_LIMIT, chip_sharding, compile_for, mosaic_vmem_bytes
-from gpu_compile import compile_lowered, lower_for, require_cuda_plugin
+from gpu_compile import lower_for, require_cuda_plugin
 
 from pallas_kernels import grouped_matmul
 from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
@@ -265,9 +265,7 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
 def test_gpu_kernels_compile_at_glm5_expert_shapes(gpu, dtype):
     require_cuda_plugin()
     fn, args = glm5_forward_and_gradients(dtype, "gpu")
-    # Kept out of the persistent cache (`compile_lowered`): a GPU executable compiled without a GPU cannot be read
-    # back from it.
-    text = compile_lowered(lower_for(fn, args, gpu)).as_text()
+    text = lower_for(fn, args, gpu).compile().as_text()  # kept out of the persistent cache (tests/conftest.py)
     kernels = sorted(re.search(r'op_name="[^"]*/([^"/]+)/pallas_call"', line).group(1)
                      for line in text.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line)
     assert kernels == ["jvp(grouped_matmul)", "transpose(jvp(grouped_matmul_input_grad))",

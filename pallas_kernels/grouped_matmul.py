@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import default_platform
 from pallas_kernels.gpu_grouped_matmul import gpu_grouped_matmul
-from pallas_kernels.tpu_grouped_matmul import Tiling, tpu_grouped_matmul
+from pallas_kernels.tpu_grouped_matmul import Tiling, tpu_grouped_matmul, tpu_kernel_rows
 
 GROUPED_MATMUL_PLATFORMS = ("cpu", "gpu", "tpu")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -97,3 +97,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
     return tpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
                               device_kind=device_kind)
+
+
+def kernel_rows(m: int, k: int, n: int, groups: int, dtype, *, platform: str | None = None,
+                device_kind: str | None = None) -> int:
+    """The rows `grouped_matmul` works on for lhs [m, k] x rhs [groups, k, n] on `platform`: on TPU m padded to
+    the kernels' row tiles, which costs a copy of lhs unless m is already that (a caller sizing a buffer can size
+    it so); m elsewhere."""
+    if resolve_grouped_platform(platform) != "tpu":
+        return m
+    return tpu_kernel_rows(m, k, n, groups, jnp.dtype(dtype).itemsize, device_kind)

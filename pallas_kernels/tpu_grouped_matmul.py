@@ -181,6 +181,14 @@ def _grouped_bwd(tiles, interpret, residuals, d_out):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def tpu_kernel_rows(m: int, k: int, n: int, groups: int, itemsize: int, device_kind: str | None = None) -> int:
+    """The rows `tpu_grouped_matmul` runs lhs [m, k] x rhs [groups, k, n] on: m padded to its row tiles (by a copy
+    of lhs, unless m already is a multiple of them)."""
+    tiles = choose_tiles(round_up(m, LANE), round_up(k, LANE), round_up(n, LANE), groups, itemsize, None,
+                         vmem_budget(device_kind))
+    return round_up(m, tiles.row_multiple)
+
+
 def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
                        tiling: Tiling | None = None, interpret: bool = False,
                        device_kind: str | None = None) -> jax.Array:

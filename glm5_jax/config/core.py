@@ -156,6 +156,10 @@ class ModelConfig:
     # expert shard at capacity_factor * (its fair share of assignments) and drops the excess deterministically.
     moe_capacity_factor: float = 0.0
     ep_transport: str = "auto"  # "padded" all-to-all (portable, CPU) | "ragged" (ragged_all_to_all) | "auto"
+    # Rows travel in blocks of this many, each chunk padded to whole blocks: on TPU a block of one tile's height
+    # spares libtpu's relayout of every buffer the collective cuts (glm5_jax.model.expert_parallel). 0: the tile's
+    # height on TPU (16 rows of bf16), 1 elsewhere.
+    ep_row_block: int = 0
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat_policy: str = "none"
@@ -274,6 +278,9 @@ class ModelConfig:
             _fail("sparse_row_gradients", self.sparse_row_gradients, "the TPU kernels scatter: use 'scatter'")
         if not self.moe_capacity_factor >= 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "must be >= 0 (0 = dropless)")
+        if isinstance(self.ep_row_block, bool) or not isinstance(self.ep_row_block, int) or not (
+                0 <= self.ep_row_block <= 1024):
+            _fail("ep_row_block", self.ep_row_block, "must be an integer from 0 (the chip's tile height) to 1024")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),
                               ("moe_backend", MOE_BACKENDS), ("sparse_row_gradients", ROW_GRADIENTS),
                               ("ep_transport", ("auto", "padded", "ragged")),

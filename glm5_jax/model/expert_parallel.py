@@ -22,6 +22,17 @@ dropped deterministically (the highest source ranks first, and within a source's
 nothing (the token keeps its other experts and the shared expert) and are counted in aux["dropped_assignments"]
 (summed over all devices).
 
+Rows in blocks (`ep_row_block`, G). On TPU an array's rows are stored in tiles of 8 x 128 words (16 rows of bf16),
+so a collective that cuts a [rows, D] buffer at any row first copies it into a layout with one row per tile row
+and back (libtpu's [rows, 2, D / 2] relayouts: 0.42 of the v6e-256 step's 3.64 TB of HBM traffic). With G > 1 the
+dispatch moves [rows / G, G, D] blocks, whose rows-major slices are whole tiles: each chunk is padded to whole
+blocks (at most G - 1 rows per chunk, holding a copy of some token's row: they are computed like any row, come
+back to rows nothing reads and get no gradient), the offsets and sizes count blocks, and the receive buffer
+grows by the expected padding, ep * (G - 1) / 2 rows, so the capacity for real rows stays what the factor says.
+G 0 picks the tile's height on TPU and 1 elsewhere. On TPU the receive buffer is then rounded up to rows the
+grouped matmuls take whole (`glm5_jax.ops.grouped_matmul.swiglu_rows`): the kernels would otherwise pad it to
+their row tiles by a copy per matmul.
+
 Transport (`ep_transport`): "ragged" is `jax.lax.ragged_all_to_all` (GPU/TPU; XLA:CPU lacks it); "padded" is the
 same exchange built from `jax.lax.all_to_all` of chunks padded to the largest possible chunk (runs anywhere: the
 CPU tests), and "auto" picks ragged unless the mesh is on CPU. Both use the same offsets, so both give the same
@@ -44,6 +55,7 @@ from glm5_jax.model.token_permutation import inverse_permutation, permute_rows, 
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
+from glm5_jax.ops.grouped_matmul import swiglu_rows
 from glm5_jax.ops.platform import compiled_platform
 
 EP_TRANSPORTS = ("auto", "padded", "ragged")
@@ -63,7 +75,22 @@ class DispatchLayout:
     top_k: int          # A
     n_experts: int      # E
     expert_shards: int  # ep
-    receive_rows: int   # R: rows one device's experts receive
+    receive_rows: int   # R: rows one device's experts receive (a multiple of row_block)
+    row_block: int = 1  # G: rows move in blocks of G (module docstring)
+
+    @property
+    def receive_blocks(self) -> int:
+        return self.receive_rows // self.row_block
+
+    @property
+    def send_blocks(self) -> int:
+        """Blocks of one device's send buffer: its t * A rows with each of the ep chunks padded to whole blocks."""
+        return min((self.assignments + self.expert_shards * (self.row_block - 1)) // self.row_block,
+                   self.expert_shards * self.largest_chunk_blocks)
+
+    @property
+    def largest_chunk_blocks(self) -> int:
+        return -(-self.largest_chunk // self.row_block)
 
     @property
     def local_experts(self) -> int:
@@ -92,10 +119,23 @@ def capacity_settings(config) -> tuple[float, str]:
 
 
 def dispatch_layout(local_tokens: int, top_k: int, n_experts: int, expert_shards: int,
-                    capacity_factor: float) -> DispatchLayout:
-    most = expert_shards * min(local_tokens * top_k, (n_experts // expert_shards) * local_tokens)
-    rows = most if capacity_factor == 0 else min(most, math.ceil(capacity_factor * local_tokens * top_k))
-    return DispatchLayout(local_tokens, top_k, n_experts, expert_shards, rows)
+                    capacity_factor: float, row_block: int = 1) -> DispatchLayout:
+    largest = min(local_tokens * top_k, (n_experts // expert_shards) * local_tokens)
+    most = expert_shards * -(-largest // row_block) * row_block  # every source's largest chunk, padded
+    if capacity_factor == 0:
+        return DispatchLayout(local_tokens, top_k, n_experts, expert_shards, most, row_block)
+    # Blocks pad each chunk by (G - 1) / 2 rows on average: added, so real rows keep the factor's capacity.
+    rows = math.ceil(capacity_factor * local_tokens * top_k + expert_shards * (row_block - 1) / 2)
+    return DispatchLayout(local_tokens, top_k, n_experts, expert_shards,
+                          min(most, -(-rows // row_block) * row_block), row_block)
+
+
+def row_block(setting: int, platform: str, dtype) -> int:
+    """`ep_row_block` resolved: 0 -> the height of a TPU tile of `dtype` (8 rows of 32-bit words, packed: 16 rows
+    of bf16), 1 on other platforms, whose layouts are not tiled."""
+    if setting:
+        return setting
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize) if platform == "tpu" else 1
 
 
 def _resolve_transport(transport: str, mesh: Mesh) -> str:
@@ -138,11 +178,15 @@ def receive_plan(sent: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 
 def _row_experts(recv_counts: jax.Array, accepted: jax.Array, layout: DispatchLayout) -> jax.Array:
     """Local expert of every received row ([R]); E_local marks empty rows. recv_counts [source, E_local] are the
-    rows each source has for each of my experts (its chunk, in expert order), accepted [source] how many of its
-    chunk fit; the rows lie source by source, each chunk's accepted prefix in expert order."""
-    kept = jnp.clip(accepted[:, None] - (jnp.cumsum(recv_counts, axis=1) - recv_counts), 0, recv_counts)
-    segment = jnp.searchsorted(jnp.cumsum(kept.reshape(-1)), jnp.arange(layout.receive_rows), side="right")
-    return jnp.where(segment < kept.size, segment % layout.local_experts, layout.local_experts).astype(jnp.int32)
+    rows each source has for each of my experts (its chunk, in expert order), accepted [source] how many blocks of
+    its chunk fit; the chunks lie source by source, each its accepted prefix in expert order, then the rows that
+    pad it to whole blocks (empty)."""
+    local, g = layout.local_experts, layout.row_block
+    kept = jnp.clip(g * accepted[:, None] - (jnp.cumsum(recv_counts, axis=1) - recv_counts), 0, recv_counts)
+    padding = g * accepted - kept.sum(1)
+    segments = jnp.concatenate([kept, padding[:, None]], axis=1).reshape(-1)  # [source * (E_local + 1)]
+    segment = jnp.searchsorted(jnp.cumsum(segments), jnp.arange(layout.receive_rows), side="right")
+    return jnp.where(segment < segments.size, segment % (local + 1), local).astype(jnp.int32)
 
 
 def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout: DispatchLayout,
@@ -154,13 +198,16 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
     if platform == "cpu":
         ids = jnp.where(filled, expert, 0)[:, None]
         return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
-    group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     if layout.local_experts == 1:
         # One expert per device (the pod recipes): the received rows are already in expert order, filled rows
         # first (`_row_experts`), so sorting would be the identity; skipping it saves a gather and a scatter of
-        # the [R, D] buffer in the forward, its recompute and the backward. The empty rows are those past
-        # sum(group_sizes), which the grouped matmul leaves zero: no mask pass over [R, D] either.
-        return grouped_swiglu(experts, recv, group_sizes, platform)
+        # the [R, D] buffer in the forward, its recompute and the backward. The rows up to the last filled one
+        # form the expert's group: the blocks' padding among them is computed too, goes back to rows nothing
+        # reads and gets zero gradient. The rows past it are left zero by the grouped matmul: no mask pass over
+        # [R, D] either.
+        last = jnp.max(jnp.where(filled, jnp.arange(expert.shape[0], dtype=jnp.int32) + 1, 0))
+        return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform)
+    group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     order = jnp.argsort(expert, stable=True)
     inverse = inverse_permutation(order)
     out_sorted = grouped_swiglu(experts, permute_rows(recv, order, inverse), group_sizes, platform)
@@ -177,11 +224,12 @@ def padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
     position = jnp.arange(largest_chunk)
     rows = operand.shape[0]
     source = jnp.clip(input_offsets[:, None] + position[None, :], 0, rows - 1)  # [peers, chunk]
-    chunks = jnp.where((position[None, :] < send_sizes[:, None])[..., None], operand[source], 0)
-    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, chunk, D], by source
+    row = (slice(None), slice(None)) + (None,) * (operand.ndim - 1)  # [peers, chunk] -> against a row's dims
+    chunks = jnp.where((position[None, :] < send_sizes[:, None])[row], operand[source], 0)
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [peers, chunk, ...], by source
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my output offset in each source
     target = jnp.where(position[None, :] < recv_sizes[:, None], where[:, None] + position[None, :], output.shape[0])
-    return output.at[target.reshape(-1)].set(received.reshape(-1, operand.shape[-1]), mode="drop")
+    return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
 def _exchange(transport: str, layout: DispatchLayout, axes: tuple[str, ...]):
@@ -190,7 +238,7 @@ def _exchange(transport: str, layout: DispatchLayout, axes: tuple[str, ...]):
         return None
     if transport == "ragged":
         return functools.partial(jax.lax.ragged_all_to_all, axis_name=axes)
-    return functools.partial(padded_ragged_all_to_all, axis_name=axes, largest_chunk=layout.largest_chunk)
+    return functools.partial(padded_ragged_all_to_all, axis_name=axes, largest_chunk=layout.largest_chunk_blocks)
 
 
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -199,14 +247,23 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
     """One device's share: (routed output [t, D], assignments dropped here). `exchange` None: one device;
     else it moves chunks among the devices of `axes`, whose linear index is the expert rank."""
     t, top_k = expert_ids.shape
-    ep, local = layout.expert_shards, layout.local_experts
+    ep, local, g = layout.expert_shards, layout.local_experts, layout.row_block
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # sorted row -> assignment
     inverse = inverse_permutation(order)  # assignment -> sorted row
     counts = jnp.bincount(flat, length=layout.n_experts).astype(jnp.int32).reshape(ep, local)
     sent = counts.sum(1)  # [ep] my rows for each expert rank
-    starts = jnp.cumsum(sent) - sent  # where each chunk starts in my sorted buffer
-    send = repeat_rows(x, order, inverse)
+    starts = jnp.cumsum(sent) - sent  # where each chunk starts among my sorted rows
+    chunk = flat[order] // local  # each sorted row's expert rank
+    rank = jnp.arange(layout.assignments) - starts[chunk]  # its place in its chunk
+    blocks = -(-sent // g)  # [ep] each chunk padded to whole blocks
+    block_starts = jnp.cumsum(blocks) - blocks
+    fill, slot = order, inverse  # send-buffer row -> assignment, and back
+    if g > 1:
+        sorted_slot = g * block_starts[chunk] + rank
+        slot = sorted_slot[inverse]
+        fill = jnp.full((layout.send_blocks * g,), -1, jnp.int32).at[sorted_slot].set(order, unique_indices=True)
+    send = repeat_rows(x, fill, slot)
     if exchange is None:
         accepted, _ = receive_plan(sent[None, :], layout.receive_rows)
         recv = jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype).at[:layout.assignments].set(
@@ -215,32 +272,55 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         back = jnp.zeros_like(send).at[:layout.receive_rows].set(out[:layout.assignments])
         mine = accepted[0]
     else:
+        # Blocks of G rows travel as [blocks, G, D]: its slices along blocks are whole TPU tiles (module docstring).
+        as_blocks = (lambda rows: rows) if g == 1 else (lambda rows: rows.reshape(-1, g, rows.shape[-1]))
+        as_rows = lambda blocked: blocked.reshape(-1, blocked.shape[-1])  # noqa: E731
         me = jax.lax.axis_index(axes)
-        everyone = jax.lax.all_gather(sent, axes)  # [source, receiver]
-        accepted, offsets = receive_plan(everyone, layout.receive_rows)
+        everyone = jax.lax.all_gather(blocks, axes)  # [source, receiver]
+        accepted, offsets = receive_plan(everyone, layout.receive_blocks)
         mine = accepted[me]
-        recv = exchange(send, jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype), starts, mine, offsets[me],
-                        accepted[:, me])
+        empty = as_blocks(jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype))
+        recv = as_rows(exchange(as_blocks(send), empty, block_starts, mine, offsets[me], accepted[:, me]))
         recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)  # [source, E_local]
         out = _run_local_experts(experts, recv, _row_experts(recv_counts, accepted[:, me], layout), layout,
                                  platform)
         source_starts = (jnp.cumsum(everyone, axis=1) - everyone)[:, me]  # my chunk's start at each source
-        back = exchange(out, jnp.zeros_like(send), offsets[:, me], accepted[:, me], source_starts, mine)
-    rank = jnp.arange(layout.assignments) - starts[flat[order] // local]  # row's place in its chunk
-    keep_sorted = rank < mine[flat[order] // local]
-    kept = keep_sorted[inverse]
-    combined = permute_rows(back, inverse, order)  # assignment order
+        back = as_rows(exchange(as_blocks(out), as_blocks(jnp.zeros_like(send)), offsets[:, me], accepted[:, me],
+                                source_starts, mine))
+    kept_rows = jnp.minimum(sent, g * mine)  # [ep] of each chunk, its rows that fit
+    kept = (rank < kept_rows[chunk])[inverse]
+    combined = permute_rows(back, slot, fill)  # assignment order
     scale = jnp.where(kept, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
     routed = (combined * scale).reshape(t, top_k, -1).sum(1)
-    dropped = (layout.assignments - mine.sum()).astype(jnp.int32)
+    dropped = (layout.assignments - kept_rows.sum()).astype(jnp.int32)
     return routed, dropped
+
+
+def mesh_layout(config, mesh: Mesh, up_shape: tuple[int, ...], local_tokens: int, top_k: int,
+                dtype) -> DispatchLayout:
+    """The dispatch buffers of each device on `mesh` for `local_tokens` tokens: rows in blocks of `ep_row_block`
+    (resolved for the mesh's chips and `dtype`), and on TPU a receive buffer of the grouped matmuls' whole row
+    tiles, whose rows they would otherwise pad it to by a copy per matmul. `up_shape`: gate_proj's [E, D, F]."""
+    capacity_factor, _ = capacity_settings(config)
+    expert_shards = math.prod(mesh_axis_size(mesh, axis) for axis in expert_split_axes(up_shape[0], mesh))
+    platform = mesh.devices.flat[0].platform
+    block = row_block(config.ep_row_block, platform, dtype) if expert_shards > 1 else 1
+    layout = dispatch_layout(local_tokens, top_k, up_shape[0], expert_shards, capacity_factor, block)
+    if platform != "tpu":
+        return layout
+    up_spec = logical_to_spec(("experts", None, "expert_mlp"), up_shape, mesh)
+    d, f = (size // math.prod(mesh_axis_size(mesh, axis) for axis in spec_axes(PartitionSpec(entry)))
+            for size, entry in zip(up_shape[1:], up_spec[1:]))
+    rows = swiglu_rows(layout.receive_rows, d, f, layout.local_experts, dtype, platform,
+                       mesh.devices.flat[0].device_kind)
+    return dataclasses.replace(layout, receive_rows=-(-rows // block) * block)
 
 
 def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                               layout: DispatchLayout, platform: str | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's buffers and computation with no collective: the single-device path, and the shape stand-in
     the planner traces (the buffers of `layout` are kept whatever its number of shards)."""
-    single = dataclasses.replace(layout, n_experts=layout.local_experts, expert_shards=1)
+    single = dataclasses.replace(layout, n_experts=layout.local_experts, expert_shards=1, row_block=1)
     return _dispatch_compute_combine(experts, x, expert_ids % single.n_experts, weights, single, None,
                                      compiled_platform(platform))
 
@@ -275,14 +355,13 @@ def experts_ep(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     shards = math.prod(mesh_axis_size(mesh, axis) for axis in token_axes)
     _validate(experts, x, expert_ids, weights, shards, mesh_axis_size(mesh, EXPERT_AXIS))
     expert_axes = expert_split_axes(n_experts, mesh)
-    expert_shards = math.prod(mesh_axis_size(mesh, axis) for axis in expert_axes)
-    layout = dispatch_layout(math.prod(x.shape[:-1]) // shards, top_k, n_experts, expert_shards, capacity_factor)
-    exchange = _exchange(_resolve_transport(transport, mesh), layout, expert_axes)
     platform = mesh.devices.flat[0].platform
+    layout = mesh_layout(config, mesh, experts["gate_proj"].shape, math.prod(x.shape[:-1]) // shards, top_k, x.dtype)
     # F split over `tensor` when it divides; the partial outputs are then summed over `tensor`.
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), experts["gate_proj"].shape, mesh)
     down_spec = logical_to_spec(("experts", "expert_mlp", None), experts["down_proj"].shape, mesh)
     tensor_split = up_spec[2] is not None
+    exchange = _exchange(_resolve_transport(transport, mesh), layout, expert_axes)
 
     def local(experts_local, x_local, ids_local, weights_local):
         flat = (x_local.reshape(-1, x_local.shape[-1]), ids_local.reshape(-1, top_k),

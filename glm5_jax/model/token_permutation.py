@@ -5,8 +5,9 @@ received rows by expert), and puts the experts' outputs back in the original ord
 `zeros.at[rows].set(y)`, one direction of each is a scatter, and the gradient of `x[order // A]` is a
 scatter-add of A rows into each token's row: XLA:GPU runs such a scatter-add with atomic adds, whose order (and
 so whose bf16 sum) varies from run to run. The rows move by a permutation whose inverse is known, so every
-transpose here is a gather, and a token's A gradient rows are summed in fp32 in a fixed order. On TPU it moves
-few bytes (the v5p-512 step: 14.04 -> 13.84 TB of HBM traffic, benchmarks/BENCHMARKS.md).
+transpose here is a gather, and a token's A gradient rows are summed in fp32 in a fixed order. The buffers may hold
+rows no assignment fills (chunks padded to whole row blocks, `expert_parallel`): marked -1, they hold any token's
+row going in and get no gradient coming back. On TPU it moves few bytes (the v5p-512 step: 14.04 -> 13.84 TB of HBM traffic, benchmarks/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-    """x[order] for a permutation `order` with inverse `inverse`; the gradient is g[inverse]."""
+    """x[order] for a permutation `order` with inverse `inverse`; the gradient is g[inverse]. x may have more rows
+    than `order` reads (a buffer padded with rows nothing reads): `inverse` marks those -1, their gradient zero."""
     return x[order]
 
 
@@ -32,27 +34,37 @@ def _permute_fwd(x, order, inverse):
 
 
 def _permute_bwd(inverse, g):
-    return g[inverse], None, None
+    return _rows_or_zero(g, inverse), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+def _rows_or_zero(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x[rows], zero where rows < 0 (rows can be -1 only when there are more of them than x has rows)."""
+    if rows.shape[0] <= x.shape[0]:
+        return x[rows]
+    return jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], jnp.zeros((), x.dtype))
+
+
 @jax.custom_vjp
-def repeat_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-    """Rows of the assignments [t * A, D] in `order` from their tokens' rows x [t, D]: x[order // A], where
-    A = len(order) // t and assignment i belongs to token i // A. The gradient sums each token's A rows,
-    gathered back by `inverse`, instead of scatter-adding them."""
-    return x[order // (order.shape[0] // x.shape[0])]
+def repeat_rows(x: jax.Array, fill: jax.Array, slot: jax.Array) -> jax.Array:
+    """The dispatch buffer's rows from the tokens' rows x [t, D]: row i is x[fill[i] // A], assignment fill[i]
+    belonging to token fill[i] // A (A = len(slot) // t). `slot` [t * A] is where each assignment sits (fill's
+    inverse). A buffer of more rows than assignments has rows no assignment fills (fill -1): they hold the first
+    token's row, which costs no select pass over the buffer (XLA:TPU runs one apart from the gather), and must
+    reach nothing: `permute_rows` gives them no gradient. The gradient sums each token's A rows, gathered back by
+    `slot`, instead of scatter-adding them."""
+    return x[jnp.maximum(fill, 0) // (slot.shape[0] // x.shape[0])]
 
 
-def _repeat_fwd(x, order, inverse):
-    return repeat_rows(x, order, inverse), (inverse, x.shape[0])
+def _repeat_fwd(x, fill, slot):
+    return repeat_rows(x, fill, slot), (slot, x.shape[0])
 
 
 def _repeat_bwd(residuals, g):
-    inverse, tokens = residuals
-    summed = g[inverse].reshape(tokens, -1, g.shape[-1]).astype(jnp.float32).sum(1)  # fp32: A rows per token
+    slot, tokens = residuals
+    summed = g[slot].reshape(tokens, -1, g.shape[-1]).astype(jnp.float32).sum(1)  # fp32: A rows per token
     return summed.astype(g.dtype), None, None
 
 

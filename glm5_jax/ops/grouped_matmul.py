@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 
 from glm5_jax.ops.platform import compiled_device_kind, compiled_platform
-from pallas_kernels.grouped_matmul import grouped_matmul as grouped_matmul_kernels
+from pallas_kernels.grouped_matmul import grouped_matmul as grouped_matmul_kernels, kernel_rows
 
 
 def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
@@ -17,3 +17,18 @@ def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
     tiled for the chip compiled for (`compiled_device_kind`: v6e's VMEM takes larger tiles)."""
     return grouped_matmul_kernels(x, weights, group_sizes, platform=compiled_platform(platform),
                                   device_kind=compiled_device_kind())
+
+
+def swiglu_rows(rows: int, hidden: int, intermediate: int, groups: int, dtype, platform: str | None = None,
+                device_kind: str | None = None) -> int:
+    """The fewest rows, at least `rows`, on which a grouped SwiGLU's matmuls ([rows, hidden] -> [rows, intermediate]
+    and back, `groups` groups) run without padding their inputs: a buffer this size spares a copy of it per
+    matmul (TPU row tiles, for the chip `device_kind`, default `compiled_device_kind`; `rows` elsewhere)."""
+    platform, kind = compiled_platform(platform), device_kind or compiled_device_kind()
+    for _ in range(4):  # the tiles depend on the rows: settle on rows both shapes take whole
+        padded = max(kernel_rows(rows, hidden, intermediate, groups, dtype, platform=platform, device_kind=kind),
+                     kernel_rows(rows, intermediate, hidden, groups, dtype, platform=platform, device_kind=kind))
+        if padded == rows:
+            break
+        rows = padded
+    return rows

@@ -1,7 +1,9 @@
 """With one routed expert per device (the pod recipes: `expert` x `context` = n_routed_experts), the received
 rows of the `ep` dispatch are already in expert order, filled rows first, so `_run_local_experts` runs the grouped
 matmuls on the receive buffer as it is: the same values and gradients as sorting it (the identity permutation),
-without the gather and scatter of the [R, D] buffer."""
+without the gather and scatter of the [R, D] buffer. With rows in blocks (TPU meshes) each source's chunk is
+followed by the zero rows that pad it to whole blocks: the expert's group then runs up to the last filled row,
+padding included, which gives zero rows."""
 
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ from glm5_jax.model.experts import grouped_swiglu
 
 SOURCES, TOKENS, TOP_K, D, F = 4, 6, 2, 16, 8
 LAYOUT = dispatch_layout(TOKENS, TOP_K, SOURCES, SOURCES, 1.25)  # 4 experts over 4 devices: one each
+BLOCKED = dispatch_layout(TOKENS, TOP_K, SOURCES, SOURCES, 1.25, row_block=4)  # chunks padded to blocks of 4 rows
 
 
-def _received(seed: int):
+def _received(seed: int, layout=LAYOUT):
     """A receiver's row experts for random chunk sizes (some sources over capacity), and a receive buffer
     whose empty rows are zero, as the exchange leaves them."""
     rng = np.random.RandomState(seed)
     sent = jnp.asarray(rng.randint(0, TOKENS * TOP_K // 2, size=(SOURCES, 1)), jnp.int32)
-    accepted, _ = receive_plan(sent, LAYOUT.receive_rows)
-    expert = _row_experts(sent, accepted[:, 0], LAYOUT)
+    accepted, _ = receive_plan(-(-sent // layout.row_block), layout.receive_blocks)
+    expert = _row_experts(sent, accepted[:, 0], layout)
     filled = (expert < 1)[:, None]
-    recv = jnp.where(filled, jnp.asarray(rng.randn(LAYOUT.receive_rows, D), jnp.float32), 0.0)
+    recv = jnp.where(filled, jnp.asarray(rng.randn(layout.receive_rows, D), jnp.float32), 0.0)
     return recv, expert
 
 
@@ -60,16 +63,35 @@ def test_received_rows_are_filled_first_in_expert_order():
         assert filled.sum() == 0 or filled[: filled.sum()].all()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_one_local_expert_equals_the_sorted_path_in_values_and_gradients(seed, cpu_grouped_matmuls):
-    recv, expert = _received(seed)
+def test_blocked_chunks_are_their_rows_then_padding_to_whole_blocks():
+    """Source by source, as the hand count gives it: the rows that fit (whole blocks of the receive buffer, in
+    rank order), then empty rows up to the chunk's last block; nothing after the last chunk."""
+    g = BLOCKED.row_block
+    for seed in range(20):
+        rng = np.random.RandomState(seed)
+        sent = rng.randint(0, TOKENS * TOP_K // 2, size=SOURCES)
+        accepted, _ = receive_plan(jnp.asarray(-(-sent // g))[:, None], BLOCKED.receive_blocks)
+        want, free = [], BLOCKED.receive_blocks
+        for rows in sent:
+            blocks = min(-(-rows // g), free)
+            free -= blocks
+            kept = min(rows, g * blocks)
+            want += [0] * kept + [1] * (g * blocks - kept)
+        want += [1] * (BLOCKED.receive_rows - len(want))
+        expert = _row_experts(jnp.asarray(sent)[:, None], accepted[:, 0], BLOCKED)
+        assert np.asarray(expert).tolist() == want, (sent, expert)
+
+
+@pytest.mark.parametrize("seed,layout", [(0, LAYOUT), (1, LAYOUT), (2, LAYOUT), (0, BLOCKED), (1, BLOCKED)])
+def test_one_local_expert_equals_the_sorted_path_in_values_and_gradients(seed, layout, cpu_grouped_matmuls):
+    recv, expert = _received(seed, layout)
     experts = _experts(seed)
     probe = jnp.cos(jnp.arange(recv.size, dtype=jnp.float32)).reshape(recv.shape)
 
     def grads(fn):
         return jax.value_and_grad(lambda e, r: (fn(e, r) * probe).sum(), argnums=(0, 1))(experts, recv)
 
-    (value, (d_experts, d_recv)) = grads(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
+    (value, (d_experts, d_recv)) = grads(lambda e, r: _run_local_experts(e, r, expert, layout, "tpu"))
     (ref_value, (ref_experts, ref_recv)) = grads(lambda e, r: _sorted_path(e, r, expert))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     np.testing.assert_allclose(d_recv, ref_recv, rtol=1e-6, atol=1e-6)
@@ -91,14 +113,18 @@ def test_one_local_expert_moves_no_row_of_the_receive_buffer(cpu_grouped_matmuls
     assert not moves(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
 
 
-def test_empty_rows_give_zeros_whatever_they_hold(cpu_grouped_matmuls):
-    """Rows past the filled ones are left zero by the grouped matmul (rows past sum(group_sizes)), so no mask
-    is applied: even garbage there gives zero output rows."""
-    recv, expert = _received(3)
+@pytest.mark.parametrize("layout", [LAYOUT, BLOCKED])
+def test_empty_rows_give_zeros_whatever_they_hold(layout, cpu_grouped_matmuls):
+    """Rows past the last filled one are left zero by the grouped matmul (rows past sum(group_sizes)), so no mask
+    is applied: even garbage there gives zero output rows (the blocks' padding among the filled rows arrives
+    zero and gives zero)."""
+    recv, expert = _received(3, layout)
     empty = np.asarray(expert) >= 1
     assert empty.any() and (~empty).any()
-    garbage = jnp.where(jnp.asarray(empty)[:, None], 7.0, recv)
-    out = _run_local_experts(_experts(3), garbage, expert, LAYOUT, "tpu")
+    past_last = np.arange(empty.size) > np.flatnonzero(~empty).max()
+    assert past_last.any()
+    garbage = jnp.where(jnp.asarray(past_last)[:, None], 7.0, recv)
+    out = _run_local_experts(_experts(3), garbage, expert, layout, "tpu")
     assert not np.asarray(out)[empty].any()
     np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(_sorted_path(_experts(3), recv, expert))[~empty],
                                rtol=1e-6, atol=1e-6)

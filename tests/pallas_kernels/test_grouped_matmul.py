@@ -16,7 +16,7 @@ from gpu_compile import lower_for, require_cuda_plugin
 
 from pallas_kernels import grouped_matmul
 from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
-from pallas_kernels.grouped_matmul import grouped_matmul_reference
+from pallas_kernels.grouped_matmul import grouped_matmul_reference, kernel_rows
 from pallas_kernels._common import round_up
 from pallas_kernels.tpu_grouped_matmul import (MOSAIC_SCRATCH, VMEM_BUDGET, GroupedTiles, choose_tiles,
                                               gmm_hbm_bytes, gmm_vmem_bytes, tgmm_hbm_bytes, tgmm_vmem_bytes,
@@ -161,6 +161,19 @@ def test_per_kernel_tiles_move_fewer_bytes_than_maxtexts_tiles():
     assert choose_tiles(20480, 6144, 2048, 1, 2, budget=v6e).forward == (1280, 512, 2048)
     assert _layer_bytes(20480, 6144, 2048, 1, budget=v6e) == pytest.approx(6.77e9, rel=1e-3)
     assert _layer_bytes(20480, 6144, 2048, 1) == pytest.approx(10.14e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("chip", ["TPU v5", "TPU v6 lite"])
+def test_kernel_rows_are_the_rows_the_kernels_pad_to(chip):
+    """`kernel_rows` is the row count the TPU kernels pad lhs to (no copy at that count); other platforms pad
+    nothing. 22,400 rows (v6e's receive buffer with blocks' padding) pad to 18 of v6e's 1280-row tiles."""
+    for m, k, n in ((22400, 6144, 2048), (22400, 2048, 6144), (20480, 6144, 2048), (1000, 256, 384)):
+        rows = kernel_rows(m, k, n, 1, jnp.bfloat16, platform="tpu", device_kind=chip)
+        tiles = choose_tiles(round_up(m, 128), k, n, 1, 2, budget=vmem_budget(chip))
+        assert rows == round_up(m, tiles.row_multiple) >= m
+        assert kernel_rows(m, k, n, 1, jnp.bfloat16, platform="gpu") == m
+    v6e = kernel_rows(22400, 6144, 2048, 1, jnp.bfloat16, platform="tpu", device_kind="TPU v6 lite")
+    assert v6e == 23040
 
 
 def test_a_given_tiling_is_clamped_to_the_dims_and_shared_by_the_three_kernels():

@@ -93,11 +93,13 @@ def moe_inputs(key):
     return params, x, jax.random.normal(k_probe, x.shape)
 
 
-def hand_kept(expert_ids: np.ndarray, shards: int, expert_shards: int, rows: int, n_experts: int) -> np.ndarray:
+def hand_kept(expert_ids: np.ndarray, shards: int, expert_shards: int, rows: int, n_experts: int,
+              row_block: int = 1) -> np.ndarray:
     """Each expert rank fills its `rows` receive rows from the sources of its expert group in rank order, each
-    source's rows for it in expert order, then token order; the rest are dropped. Computed with loops,
-    independently of the library's sort-based bookkeeping. Token shards are contiguous blocks; shard k is
-    source k % expert_shards of group k // expert_shards."""
+    source's rows for it in expert order, then token order, each source's chunk padded to whole blocks of
+    `row_block` rows; the rest are dropped. Computed with loops, independently of the library's sort-based
+    bookkeeping. Token shards are contiguous blocks; shard k is source k % expert_shards of group k //
+    expert_shards."""
     n_tokens, top_k = expert_ids.shape
     per_shard, local = n_tokens // shards, n_experts // expert_shards
     kept = np.zeros(expert_ids.shape, bool)
@@ -112,6 +114,7 @@ def hand_kept(expert_ids: np.ndarray, shards: int, expert_shards: int, rows: int
                             if expert_ids[token, slot] == expert:
                                 kept[token, slot] = filled < rows
                                 filled += 1
+                filled = -(-filled // row_block) * row_block
     return kept
 
 
@@ -149,22 +152,27 @@ def ep_moe(config, mesh, params, x, probe):
     return jax.jit(lambda p, x, r: value_and_grads(moe_fn, p, x, r))(params, x, probe)
 
 
-def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: str = "padded"):
+def check_ep(mesh_sizes: dict, capacity_factor: float, inputs, want, transport: str = "padded", row_block: int = 1):
     """`ep` on a mesh against `want` = (output, grads): the reference backend when dropless, else the
-    reference with the hand-computed drops removed (then the dropped count is checked too)."""
-    config = tiny(moe_backend="ep", moe_capacity_factor=capacity_factor, ep_transport=transport)
+    reference with the hand-computed drops removed (then the dropped count is checked too). `row_block` > 1:
+    rows travel in blocks (the receive buffer then grows by the blocks' expected padding)."""
+    config = tiny(moe_backend="ep", moe_capacity_factor=capacity_factor, ep_transport=transport,
+                  ep_row_block=row_block)
     mesh = mesh_of(**mesh_sizes)
     out, dropped, grads = ep_moe(config, mesh, *inputs)
     name = f"ep {mesh_sizes} capacity_factor={capacity_factor} transport={transport}"
+    name += f" row_block={row_block}" if row_block > 1 else ""
     want_dropped = 0
     if capacity_factor > 0:
         params, x, probe = inputs
         shards = token_shards(mesh)
         per_shard = x.shape[0] * x.shape[1] // shards
         top_k, n_experts = config.num_experts_per_tok, config.n_routed_experts
-        rows = math.ceil(capacity_factor * per_shard * top_k)
+        expert_shards = mesh.shape["expert"]
+        padding = expert_shards * (row_block - 1) / 2
+        rows = math.ceil(math.ceil(capacity_factor * per_shard * top_k + padding) / row_block) * row_block
         ids = jax.jit(lambda p, x: moe_module(p, config).route(x.reshape(-1, x.shape[-1]))[0])(params, x)
-        kept = hand_kept(np.asarray(ids), shards, mesh.shape["expert"], rows, n_experts)
+        kept = hand_kept(np.asarray(ids), shards, expert_shards, rows, n_experts, row_block)
         want_dropped = int((~kept).sum())
         assert want_dropped > 0, f"{name}: the case must force drops"
         want_out, _, want_grads = hand_moe(params, x, probe, jnp.asarray(kept))
@@ -231,11 +239,15 @@ def group_ep():
     for sizes in EP_MESHES:
         check_ep(sizes, 0.0, inputs, reference)
         check_ep(sizes, 0.6, inputs, None)
+    # Rows in blocks (each chunk padded to whole blocks), as TPU meshes run them.
+    check_ep(dict(expert=8), 0.0, inputs, reference, row_block=4)
+    check_ep(dict(data=2, expert=4), 0.6, inputs, None, row_block=4)
     check_dropped_tokens_get_shared_expert_only(dict(data=2, expert=4), inputs)
     # The ragged transport, with XLA:CPU's missing collective emulated from its documented semantics.
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all(largest_chunk=4 * 16 * 2)  # every row of a shard
     check_ep(dict(expert=8), 0.6, inputs, None, transport="ragged")
     check_ep(dict(data=2, expert=2, tensor=2), 0.0, inputs, reference, transport="ragged")
+    check_ep(dict(expert=8), 0.6, inputs, None, transport="ragged", row_block=16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,6 +100,39 @@ def test_dispatch_layout_sizes():
     one_expert_each = dispatch_layout(local_tokens=4096, top_k=8, n_experts=256, expert_shards=256,
                                       capacity_factor=1.25)
     assert (one_expert_each.receive_rows, one_expert_each.largest_chunk) == (40960, 4096)
+    # Rows in blocks of 16: each chunk padded to whole blocks; the receive buffer adds their expected padding
+    # (256 chunks x 7.5 rows) and holds whole blocks; the send buffer holds every chunk's worst-case padding.
+    blocked = dispatch_layout(local_tokens=2048, top_k=8, n_experts=256, expert_shards=256, capacity_factor=1.25,
+                              row_block=16)
+    assert (blocked.receive_rows, blocked.receive_blocks) == (22400, 1400)  # 20480 + 1920
+    assert (blocked.send_blocks, blocked.largest_chunk_blocks) == ((16384 + 256 * 15) // 16, 128)
+    dropless_blocks = dispatch_layout(local_tokens=16, top_k=2, n_experts=8, expert_shards=4, capacity_factor=0.0,
+                                      row_block=16)
+    # Chunks of 29, 1, 1 and 1 rows take 2 + 1 + 1 + 1 blocks: the most 32 rows in 4 chunks can.
+    assert dropless_blocks.receive_rows == 4 * 32 and dropless_blocks.send_blocks == 5
+
+
+@pytest.mark.tpu_aot
+def test_mesh_layout_blocks_rows_and_takes_the_grouped_matmuls_whole_row_tiles_on_tpu():
+    """On a TPU mesh (described by libtpu; nothing compiles) rows travel in blocks of a bf16 tile's 16 rows and the
+    receive buffer is rounded up to rows the grouped matmuls take without padding it; on CPU neither."""
+    from glm5_jax.config.mesh import MeshConfig
+    from glm5_jax.distributed.mesh import make_mesh
+    from glm5_jax.model.expert_parallel import mesh_layout
+    from glm5_jax.parallel.topology import get_topology
+    from pallas_kernels.grouped_matmul import kernel_rows
+
+    config = dataclasses.replace(CONFIG, moe_capacity_factor=1.25)
+    up_shape = (256, 6144, 2048)
+    tpu_mesh = make_mesh(MeshConfig(expert=8), get_topology("v6e-8").devices())
+    layout = mesh_layout(config, tpu_mesh, up_shape, 2048, 8, jnp.bfloat16)
+    even = dispatch_layout(2048, 8, 256, 8, 1.25, row_block=16)
+    assert layout.row_block == 16 and layout.receive_rows % 16 == 0 and layout.receive_rows >= even.receive_rows
+    for k, n in ((6144, 2048), (2048, 6144)):
+        assert kernel_rows(layout.receive_rows, k, n, 32, jnp.bfloat16, platform="tpu",
+                           device_kind="TPU v6 lite") == layout.receive_rows
+    cpu_mesh = make_mesh(MeshConfig(expert=1), jax.devices()[:1])
+    assert mesh_layout(config, cpu_mesh, up_shape, 2048, 8, jnp.float32) == dispatch_layout(2048, 8, 256, 1, 1.25)
 
 
 def test_settings_and_inputs_are_validated(inputs):

@@ -7,7 +7,10 @@ the forward is dense too), and must gather no routed expert's weights (its token
 
 The capacity factor is 1.0 so the receive buffers hold exactly the even load: the grouped matmul kernel declares
 its cost for every buffer row, and this test counts the work the program is built to do, not the padding a
-larger factor would add (the pod recipes report that separately)."""
+larger factor would add (the pod recipes report that separately). On TPU the rows travel in blocks of 16
+(`model.ep_row_block`), whose expected padding the receive buffer adds, and the buffer is rounded up to the
+grouped matmuls' row tiles: the model count here adds those rows too, and the compiled step must cut no buffer into libtpu's one-row-per-tile layout (a [rows, 2, D / 2] copy of every buffer
+the all-to-all sends or receives)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from glm5_jax.config import load_model_config
 from glm5_jax.config.mesh import BATCH_AXES, MeshConfig
 from glm5_jax.distributed.logical_axes import logical_to_spec
 from glm5_jax.distributed.mesh import make_mesh
+from glm5_jax.model.expert_parallel import mesh_layout
 from glm5_jax.model.flops import moe_flops_per_token
 from glm5_jax.model.moe import MoE
 from glm5_jax.model.variables import logical_axes
@@ -61,16 +65,26 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower().compile()
     text = compiled.as_text()
     stats = hlo_stats(text, len(devices))
-    model = 3 * moe_flops_per_token(config) * TOKENS_PER_CHIP  # forward + backward, per chip
+    d, f = config.hidden_size, config.moe_intermediate_size
+    assignments = TOKENS_PER_CHIP * config.num_experts_per_tok
+    # The receive buffer as the step sizes it (the blocks' padding, whole row tiles).
+    layout = mesh_layout(config, mesh, (config.n_routed_experts, d, f), TOKENS_PER_CHIP, config.num_experts_per_tok,
+                         jnp.bfloat16)
+    padding = 3 * 6 * d * f * (layout.receive_rows - assignments)  # its rows past the even load, fwd + bwd
+    model = 3 * moe_flops_per_token(config) * TOKENS_PER_CHIP + padding  # forward + backward, per chip
     ratio = stats.matmul_flops / model
     assert 0.95 <= ratio <= 1.1, (ratio, dict(list(stats.flops_by_source.items())[:6]))
     assert "ragged-dot" not in text and "ragged_dot" not in text, "the routed experts must use the grouped " \
         "matmul kernels, not ragged_dot"
     assert not stats.kernels_without_cost, stats.kernels_without_cost
-    d, f = config.hidden_size, config.moe_intermediate_size
     gathered = [s for s in result_shapes(text, "all-gather") if len(s) >= 3 and s[-2:] in ((d, f), (f, d))]
     assert not gathered, f"routed-expert weights all-gathered: {gathered}"
     assert stats.collective_counts.get("ragged-all-to-all", 0) >= 2, stats.collective_counts
+    if layout.row_block > 1:
+        moved = result_shapes(text, "ragged-all-to-all")
+        assert moved and all(s[1:] == (layout.row_block, d) for s in moved), moved
+        relayouts = [s for op in ("copy", "reshape") for s in result_shapes(text, op) if s[-2:] == (2, d // 2)]
+        assert not relayouts, f"buffers copied into one row per tile: {relayouts}"
     # Tokens are sorted to their experts and back by permutations whose gradients are gathers
     # (`model/token_permutation.py`): no scatter of activation rows, which XLA:GPU would run as atomic adds in
     # an order that varies from run to run.

@@ -78,12 +78,14 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind) -> None:
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    group_offset: jax.Array | int | None = None, platform: str | None = None,
                    interpret: bool = False, tiling: Tiling | None = None,
-                   device_kind: str | None = None) -> jax.Array:
+                   device_kind: str | None = None, zero_outside: bool = True) -> jax.Array:
     """lhs [M, K] (rows sorted by group) x rhs [G, K, N] -> [M, N] in lhs.dtype, differentiable in lhs and rhs.
 
     `group_sizes` int32 [Gt]: rows per group, in row order. rhs holds groups [group_offset, group_offset + G)
     of them (group_offset None: all, G == Gt), as a device holding a share of the experts does; rows of
-    other groups, and rows past sum(group_sizes), give zeros and receive zero gradient.
+    other groups, and rows past sum(group_sizes), give zeros and receive zero gradient. `zero_outside` False
+    lets the TPU kernels leave those rows of the output and the input gradient undefined (garbage, possibly
+    not finite), sparing a pass over each, for a caller that never reads them; the weight gradient is the same.
     `platform`: "tpu", "gpu", "cpu" or None (the default backend); `interpret` runs the TPU / GPU kernels
     in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use, for all three kernels; each
     is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`). `device_kind`
@@ -96,7 +98,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if platform == "gpu":
         return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
     return tpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
-                              device_kind=device_kind)
+                              device_kind=device_kind, zero_outside=zero_outside)
 
 
 def kernel_rows(m: int, k: int, n: int, groups: int, dtype, *, platform: str | None = None,

@@ -155,23 +155,28 @@ def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Til
                key=lambda tiles: (total_bytes(tiles), -tiles.forward[0]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped(lhs, rhs, group_sizes, group_offset, tiles: GroupedTiles, interpret: bool):
-    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped(lhs, rhs, group_sizes, group_offset, tiles: GroupedTiles, interpret: bool, zero_outside: bool):
+    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)[0]
 
 
-def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret):
+def _held_or_zero(x, group_sizes, group_offset, held: int, zero_outside: bool):
+    """x with the rows outside the held groups zeroed (gmm leaves them unwritten), or as it is."""
+    return jnp.where(held_rows_mask(group_sizes, group_offset, held, x.shape[0]), x, 0) if zero_outside else x
+
+
+def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside):
     out = gmm(lhs, rhs, group_sizes, lhs.dtype, tiles.forward, group_offset, interpret=interpret)
-    held = held_rows_mask(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
-    return jnp.where(held, out, 0), (lhs, rhs, group_sizes, group_offset)
+    return (_held_or_zero(out, group_sizes, group_offset, rhs.shape[0], zero_outside),
+            (lhs, rhs, group_sizes, group_offset))
 
 
-def _grouped_bwd(tiles, interpret, residuals, d_out):
+def _grouped_bwd(tiles, interpret, zero_outside, residuals, d_out):
     lhs, rhs, group_sizes, group_offset = residuals
     # d_lhs = d_out [M, N] x rhs[g]^T: N is contracted, K is the output's.
     d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, tiles.input_grad, group_offset, transpose_rhs=True,
                 interpret=interpret)
-    d_lhs = jnp.where(held_rows_mask(group_sizes, group_offset, rhs.shape[0], lhs.shape[0]), d_lhs, 0)
+    d_lhs = _held_or_zero(d_lhs, group_sizes, group_offset, rhs.shape[0], zero_outside)
     # d_rhs[g] = lhs[rows of g]^T x d_out[rows of g], accumulated in fp32 over the group's row tiles.
     d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiles.weight_grad, group_offset, rhs.shape[0],
                  interpret=interpret)
@@ -191,9 +196,11 @@ def tpu_kernel_rows(m: int, k: int, n: int, groups: int, itemsize: int, device_k
 
 def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
                        tiling: Tiling | None = None, interpret: bool = False,
-                       device_kind: str | None = None) -> jax.Array:
+                       device_kind: str | None = None, zero_outside: bool = True) -> jax.Array:
     """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`), tiled for the TPU
-    named `device_kind` (None: any)."""
+    named `device_kind` (None: any). `zero_outside` False leaves the output's and the input gradient's rows
+    outside the held groups undefined (no pass over them); the weight gradient never reads them (tgmm selects
+    the groups' rows)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)
@@ -201,5 +208,5 @@ def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
                          None if tiling is None else tuple(tiling), vmem_budget(device_kind))
     lhs = pad_axis(pad_axis(lhs, 0, round_up(m, tiles.row_multiple)), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
-    out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret)
+    out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)
     return out[:m, :n]

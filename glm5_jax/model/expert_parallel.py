@@ -203,10 +203,11 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
         # first (`_row_experts`), so sorting would be the identity; skipping it saves a gather and a scatter of
         # the [R, D] buffer in the forward, its recompute and the backward. The rows up to the last filled one
         # form the expert's group: the blocks' padding among them is computed too, goes back to rows nothing
-        # reads and gets zero gradient. The rows past it are left zero by the grouped matmul: no mask pass over
-        # [R, D] either.
+        # reads and gets zero gradient. The rows past it are never sent back, nor their input gradients (the
+        # exchange moves only received rows), so the kernels may leave them undefined: no mask pass over
+        # [R, D] in the forward, its recompute or the backward either.
         last = jnp.max(jnp.where(filled, jnp.arange(expert.shape[0], dtype=jnp.int32) + 1, 0))
-        return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform)
+        return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform, zero_outside=False)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     order = jnp.argsort(expert, stable=True)
     inverse = inverse_permutation(order)

@@ -30,12 +30,14 @@ def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weight
 
 
 def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
-                   platform: str | None = None) -> jax.Array:
+                   platform: str | None = None, zero_outside: bool = True) -> jax.Array:
     """SwiGLU of rows already sorted by expert; `group_sizes` int32 [E] rows per expert; rows past their sum
-    give zeros. Grouped matmuls for `platform` (see `glm5_jax.ops.platform.compiled_platform`)."""
+    give zeros, or with `zero_outside` False (a caller that never reads them) whatever the kernels leave there,
+    in the output and the input gradient. Grouped matmuls for `platform` (see
+    `glm5_jax.ops.platform.compiled_platform`)."""
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
-    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform)  # noqa: E731
+    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform, zero_outside)  # noqa: E731
     gate = checkpoint_name(matmul(x_sorted, experts["gate_proj"]), "expert_gate")  # remat "full_keep_experts"
     up = checkpoint_name(matmul(x_sorted, experts["up_proj"]), "expert_up")
     return matmul(jax.nn.silu(gate) * up, experts["down_proj"])

@@ -76,6 +76,29 @@ def test_kernels_equal_ragged_dot_in_values_and_both_gradients(platform, case, d
     assert not np.any(_as_f32(got[0])[outside]) and not np.any(_as_f32(got[1])[outside])
 
 
+@pytest.mark.parametrize("case", ["padding_rows", "group_offset"])
+def test_rows_outside_the_groups_may_be_left_undefined(case):
+    """`zero_outside=False` (the TPU kernels): the held groups' rows of the output and the input gradient, and the
+    weight gradient, are the reference's even when the rows outside hold NaN and get NaN cotangents (tgmm
+    selects the groups' rows); the rows outside are whatever the kernels leave."""
+    lhs, rhs, sizes, offset, d_out = _inputs(case, jnp.float32)
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
+    first = offset or 0
+    inside = np.zeros(lhs.shape[0], bool)
+    inside[bounds[first]:bounds[first + rhs.shape[0]]] = True
+    lhs = jnp.where(jnp.asarray(inside)[:, None], lhs, jnp.nan)
+    d_out = jnp.where(jnp.asarray(inside)[:, None], d_out, jnp.nan)
+    kernel = lambda a, b: grouped_matmul(a, b, sizes, group_offset=offset, platform="tpu",  # noqa: E731
+                                         interpret=True, tiling=CASES[case][5], zero_outside=False)
+    reference = lambda a, b: grouped_matmul_reference(a, b, sizes, group_offset=offset)  # noqa: E731
+    got = jax.jit(lambda a, b, d: _value_and_grads(kernel, a, b, d))(lhs, rhs, d_out)
+    want = jax.jit(lambda a, b, d: _value_and_grads(reference, a, b, jnp.nan_to_num(d)))(
+        jnp.nan_to_num(lhs), rhs, d_out)
+    for name, g, w in zip(("out", "d_lhs"), got, want):
+        np.testing.assert_allclose(_as_f32(g)[inside], _as_f32(w)[inside], err_msg=name, **TOLERANCE[jnp.float32])
+    np.testing.assert_allclose(_as_f32(got[2]), _as_f32(want[2]), err_msg="d_rhs", **TOLERANCE[jnp.float32])
+
+
 def test_reference_with_group_offset_is_each_rows_own_group():
     lhs, rhs, sizes, offset, _ = _inputs("group_offset", jnp.float32)
     got = np.asarray(grouped_matmul_reference(lhs, rhs, sizes, group_offset=offset))

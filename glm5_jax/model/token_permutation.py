@@ -5,9 +5,10 @@ received rows by expert), and puts the experts' outputs back in the original ord
 `zeros.at[rows].set(y)`, one direction of each is a scatter, and the gradient of `x[order // A]` is a
 scatter-add of A rows into each token's row: XLA:GPU runs such a scatter-add with atomic adds, whose order (and
 so whose bf16 sum) varies from run to run. The rows move by a permutation whose inverse is known, so every
-transpose here is a gather, and a token's A gradient rows are summed in fp32 in a fixed order. The buffers may hold
-rows no assignment fills (chunks padded to whole row blocks, `expert_parallel`): marked -1, they hold any token's
-row going in and get no gradient coming back. On TPU it moves few bytes (the v5p-512 step: 14.04 -> 13.84 TB of HBM traffic, benchmarks/BENCHMARKS.md).
+transpose here is a gather, and a token's A gradient rows are summed in fp32 in a fixed order. The buffers may
+hold rows no assignment fills (chunks padded to whole row blocks, `expert_parallel`): marked -1, they hold a
+token's row going in and get no gradient coming back. On TPU it moves few bytes (the v5p-512 step: 14.04 -> 13.84
+TB of HBM traffic, benchmarks/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ The capacity factor is 1.0 so the receive buffers hold exactly the even load: th
 its cost for every buffer row, and this test counts the work the program is built to do, not the padding a
 larger factor would add (the pod recipes report that separately). On TPU the rows travel in blocks of 16
 (`model.ep_row_block`), whose expected padding the receive buffer adds, and the buffer is rounded up to the
-grouped matmuls' row tiles: the model count here adds those rows too, and the compiled step must cut no buffer into libtpu's one-row-per-tile layout (a [rows, 2, D / 2] copy of every buffer
-the all-to-all sends or receives)."""
+grouped matmuls' row tiles: the model count here adds those rows too, and the compiled step must cut no buffer
+into libtpu's one-row-per-tile layout (a [rows, 2, D / 2] copy of every buffer the all-to-all sends or
+receives)."""
 
 from __future__ import annotations
 

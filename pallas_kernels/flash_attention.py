@@ -33,6 +33,7 @@ from pallas_kernels._common import (check_equal, check_float_dtype, check_rank, 
                                    resolve_platform, round_up)
 from pallas_kernels.gpu_flash_attention import triton_flash, triton_flash_plan
 from pallas_kernels.kernel_cost import declared_cost
+from pallas_kernels.tpu_flash_target import tpu_flash_target
 
 LANES = 128  # jax's flash kernels tile the head dim and hold l, m, di as 128-lane rows
 BLOCKS = (512, 256, 128)  # the largest dividing the padded sequence (jax's kernels need key blocks of 128k)
@@ -131,6 +132,30 @@ def _flash_bwd(scale, plan, interpret, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _lse(l, m):
+    """Each (head, query) row's log-sum-exp [B, H, L] from the forward's final sum and max ([B, H, L] each)."""
+    return m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash_with_lse(q, k, v, segments, scale, plan, interpret):
+    out, l, m = _forward(q, k, v, segments, scale, plan, interpret)
+    return out, _lse(l, m)
+
+
+def _flash_with_lse_fwd(q, k, v, segments, scale, plan, interpret):
+    out, l, m = _forward(q, k, v, segments, scale, plan, interpret)
+    return (out, _lse(l, m)), (q, k, v, segments, out, l, m)
+
+
+def _flash_with_lse_bwd(scale, plan, interpret, residuals, cotangents):
+    d_out, _ = cotangents  # the lse is a statistic for a stop-gradient target (`causal_flash_attention_with_target`)
+    return _flash_bwd(scale, plan, interpret, residuals, d_out)
+
+
+_flash_with_lse.defvjp(_flash_with_lse_fwd, _flash_with_lse_bwd)
+
+
 def _validate(q, k, v, segment_ids):
     check_rank("q", q, 4, "[B, S, H, K]")
     check_rank("k", k, 4, "[B, S, H, K]")
@@ -142,6 +167,22 @@ def _validate(q, k, v, segment_ids):
     check_equal("segment_ids.shape", tuple(segment_ids.shape), tuple(q.shape[:2]), "q's [B, S]")
 
 
+def _padded(q, k, v, segment_ids, dim: int, length: int):
+    """q, k, v [B, S, H, *] -> [B, L, H, dim] in their promoted dtype, and segment ids [B, L] (padding tokens
+    get their own segment: they see only each other)."""
+    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+    rows = [pad_axis(pad_axis(x.astype(dtype), 3, dim), 1, length) for x in (q, k, v)]
+    return rows, pad_axis(segment_ids.astype(jnp.int32), 1, length, value=PADDING_SEGMENT)
+
+
+def _tpu_plan(q, v) -> _Plan:
+    batch, seq, heads, _ = q.shape
+    length = round_up(seq, BLOCKS[-1])
+    itemsize = jnp.dtype(jnp.promote_types(q.dtype, v.dtype)).itemsize
+    return _Plan(batch, heads, length, round_up(max(q.shape[-1], v.shape[-1]), LANES),
+                 next(b for b in BLOCKS if length % b == 0), itemsize)
+
+
 def causal_flash_attention(q, k, v, segment_ids, *, scale: float, interpret: bool | None = None,
                            platform: str | None = None) -> jax.Array:
     """softmax(scale * q.k) v over the keys each query sees (causal within its segment): [B, S, H, P] in the
@@ -151,22 +192,37 @@ def causal_flash_attention(q, k, v, segment_ids, *, scale: float, interpret: boo
     _validate(q, k, v, segment_ids)
     batch, seq, heads, _ = q.shape
     values = v.shape[-1]
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
-    itemsize = jnp.dtype(dtype).itemsize
     interpret = resolve_interpret(interpret)
-
-    def padded(dim: int, length: int):  # q, k, v [B, S, H, *] -> [B, L, H, dim] and segment ids [B, L]
-        rows = [pad_axis(pad_axis(x.astype(dtype), 3, dim), 1, length) for x in (q, k, v)]
-        return rows, pad_axis(segment_ids.astype(jnp.int32), 1, length, value=PADDING_SEGMENT)
-
     if resolve_platform(platform) == "gpu":
         # One head dim for q, k and v (jax's Triton kernels take one); [B, L, H, D] is their layout already.
+        itemsize = jnp.dtype(jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)).itemsize
         gpu_plan = triton_flash_plan(batch, seq, heads, max(q.shape[-1], values), itemsize)
-        rows, segments = padded(gpu_plan.dim, gpu_plan.length)
+        rows, segments = _padded(q, k, v, segment_ids, gpu_plan.dim, gpu_plan.length)
         return triton_flash(*rows, segments, float(scale), gpu_plan, interpret)[:, :seq, :, :values]
-    length = round_up(seq, BLOCKS[-1])
-    plan = _Plan(batch, heads, length, round_up(max(q.shape[-1], values), LANES),
-                 next(b for b in BLOCKS if length % b == 0), itemsize)
-    rows, segments = padded(plan.dim, length)
+    plan = _tpu_plan(q, v)
+    rows, segments = _padded(q, k, v, segment_ids, plan.dim, plan.length)
     out = _flash(*(jnp.swapaxes(x, 1, 2) for x in rows), segments, float(scale), plan, interpret)  # [B, H, L, dim]
     return jnp.swapaxes(out, 1, 2)[:, :seq, :, :values]
+
+
+def causal_flash_attention_with_target(q, k, v, segment_ids, *, scale: float, interpret: bool | None = None,
+                                       platform: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """(`causal_flash_attention`'s output, the indexer KL's dense target): the target fp32 [B, S, S] is the head
+    mean of the probabilities softmax(scale * q.k) over the keys each query sees (0 elsewhere), a constant (no
+    gradient), computed by `tpu_flash_target` from the flash forward's own log-sum-exp and operands. The Mosaic
+    kernels only (platform "tpu", or None on a TPU backend); on GPU the target comes from the latent rows
+    (`indexer_kl_target.dense_attention_target`)."""
+    _validate(q, k, v, segment_ids)
+    if resolve_platform(platform) != "tpu":
+        raise ValueError(f"causal_flash_attention_with_target runs the Mosaic (TPU) kernels; platform={platform!r} "
+                         "resolves to GPU: use causal_flash_attention with dense_attention_target there")
+    seq, values = q.shape[1], v.shape[-1]
+    interpret = resolve_interpret(interpret)
+    plan = _tpu_plan(q, v)
+    rows, segments = _padded(q, k, v, segment_ids, plan.dim, plan.length)
+    q_t, k_t, v_t = (jnp.swapaxes(x, 1, 2) for x in rows)  # [B, H, L, dim]
+    out, lse = _flash_with_lse(q_t, k_t, v_t, segments, float(scale), plan, interpret)
+    constant = jax.lax.stop_gradient
+    target = tpu_flash_target(constant(q_t), constant(k_t), constant(lse), segments, scale=float(scale),
+                              block=plan.block, interpret=interpret)
+    return jnp.swapaxes(out, 1, 2)[:, :seq, :, :values], target[:, :seq, :seq]

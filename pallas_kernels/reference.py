@@ -119,6 +119,14 @@ def selected_scores_backward_reference(q_index, k_index, weights, indices, d_sco
                                     jnp.where(valid, d_scores, 0.0), bwd_query_chunk)
 
 
+def causal_flash_attention_with_target_reference(q, k, v, segment_ids, *, scale, interpret=None, platform=None):
+    """(`causal_flash_attention_reference`, the head mean of its probabilities [B, S, S] fp32)."""
+    logits = jnp.einsum("BSHK,BTHK->BHST", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
+    probs = visible_softmax(logits, visible_keys(segment_ids, segment_ids)[:, None])
+    out = jnp.einsum("BHST,BTHP->BSHP", probs, v.astype(jnp.float32), precision=HIGHEST)
+    return out, head_mean_target(probs)
+
+
 def causal_flash_attention_reference(q, k, v, segment_ids, *, scale, interpret=None, platform=None):
     """softmax(scale q.k) v over the keys each query sees (t <= s within its segment), in fp32 at HIGHEST
     precision: [B, S, H, P] fp32 (the kernels return the inputs' dtype)."""

@@ -167,7 +167,8 @@ class MLA(nnx.Module):
     def attend_dense_with_target(self, proj: Projection, visible: jax.Array, segment_ids: jax.Array,
                                  mesh=None) -> tuple[jax.Array, jax.Array]:
         """Dense attention over every `visible` key [B, S, T] and the head-mean probability target [B, S, T]:
-        the expanded form returns its probabilities with its output; the kernels work in the absorbed form."""
+        the expanded form returns its probabilities with its output; the kernels' flash attention where it runs
+        (`causal_attention_with_target`), else theirs in the absorbed form."""
         if not uses_kernels(self.config):
             def with_target(_, queries, visible, keys, values):
                 heads, probs = masked_attention(queries, keys, values, visible, self.config.softmax_scale,
@@ -178,8 +179,9 @@ class MLA(nnx.Module):
             heads, target = context_local(with_target, mesh, (queries, visible), (keys, values))
             return self.output_projection(heads), target
         if flash_attends(self.config, visible.shape[1], visible.shape[2], mesh):
-            heads, target = causal_attention_with_target(*self.expanded_inputs(proj), self.absorbed_queries(proj),
-                                                         proj.rows, segment_ids, config=self.config, mesh=mesh)
+            heads, target = causal_attention_with_target(*self.expanded_inputs(proj), segment_ids,
+                                                         lambda: (self.absorbed_queries(proj), proj.rows),
+                                                         config=self.config, mesh=mesh)
             return self.output_projection(heads), target
         latent, target = dense_attention_with_target(self.absorbed_queries(proj), proj.rows, visible, segment_ids,
                                                      config=self.config, mesh=mesh)

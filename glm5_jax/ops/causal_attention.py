@@ -11,14 +11,17 @@ choose the dense form for short sequences, `model.attention.choose_backend`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.batch_local import context_split
 from glm5_jax.distributed.context_local import context_local
-from glm5_jax.ops.platform import uses_kernels
+from glm5_jax.ops.platform import uses_kernels, uses_tpu_kernels
 from pallas_kernels import causal_flash_attention, dense_attention_target
+from pallas_kernels.flash_attention import causal_flash_attention_with_target
 
 
 def flash_attends(config: ModelConfig, num_queries: int, num_keys: int, mesh=None) -> bool:
@@ -58,13 +61,20 @@ def causal_attention(queries: jax.Array, keys: jax.Array, values: jax.Array, seg
     return context_local(flash, mesh, (queries, segment_ids), (keys, values), local_rows=True)
 
 
-def causal_attention_with_target(queries: jax.Array, keys: jax.Array, values: jax.Array, absorbed: jax.Array,
-                                 rows: jax.Array, segment_ids: jax.Array, *, config: ModelConfig,
+def causal_attention_with_target(queries: jax.Array, keys: jax.Array, values: jax.Array, segment_ids: jax.Array,
+                                 latent_inputs: Callable[[], tuple[jax.Array, jax.Array]], *, config: ModelConfig,
                                  mesh=None) -> tuple[jax.Array, jax.Array]:
     """(`causal_attention`'s per-head outputs, the indexer KL's target over every visible key [B, S, T] fp32, a
-    constant): the target is the dense target kernel's over the absorbed queries [B, S, H, C+R] and latent rows
-    [B, S, C+R] (the same probabilities; the flash kernel keeps none)."""
+    constant). The Mosaic kernels take the target from the flash forward's own log-sum-exp and operands
+    (`causal_flash_attention_with_target`); the Triton ones from the latent-row target kernel over
+    `latent_inputs()`: (absorbed queries [B, S, H, C+R], latent rows [B, S, C+R]), built only for it."""
     constant = jax.lax.stop_gradient
+    if uses_tpu_kernels(config):
+        def flash_with_target(_, queries, segment_ids, keys, values):
+            return causal_flash_attention_with_target(queries, keys, values, segment_ids,
+                                                      scale=config.softmax_scale, **config.pallas_options)
+
+        return context_local(flash_with_target, mesh, (queries, segment_ids), (keys, values), local_rows=True)
 
     def kernels(_, queries, absorbed, q_segments, keys, values, rows, k_segments):
         heads = causal_flash_attention(queries, keys, values, q_segments, scale=config.softmax_scale,
@@ -74,5 +84,6 @@ def causal_attention_with_target(queries: jax.Array, keys: jax.Array, values: ja
                                         **config.pallas_options)
         return heads, target
 
+    absorbed, rows = latent_inputs()
     return context_local(kernels, mesh, (queries, absorbed, segment_ids), (keys, values, rows, segment_ids),
                          local_rows=True)

@@ -91,7 +91,8 @@ def ranked_references():
 def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, indexer_mode, monkeypatch,
                                                                  plain_tpu_interpret, ranked_references):
     """T <= index_topk: the kernels run jax's flash attention over every visible key (expanded form; Mosaic on
-    TPU, Triton on GPU) and, in the DSA stages, the dense target kernel instead of the sparse MLA kernel, and no
+    TPU, Triton on GPU) and, in the DSA stages, the dense KL target (on TPU from the flash forward's statistics,
+    `tpu_flash_target`; on GPU the latent-row kernel) instead of the sparse MLA kernel, and no
     top-k (the sparse stage's KL over every visible key); loss and gradients, the indexer's included, equal the
     jnp sparse backend's, which ranks them (plain interpret mode: the kernels' own tests run the Mosaic ones in
     TPU interpret mode)."""
@@ -103,10 +104,12 @@ def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, index
     params = init(config, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab_size)
     segment_ids = jnp.array([[1] * 6 + [2] * 4])
-    flash_calls, topk_calls = [], []
-    flash = causal_attention.causal_flash_attention
-    monkeypatch.setattr(causal_attention, "causal_flash_attention",
-                        lambda *a, **k: flash_calls.append(1) or flash(*a, **k))
+    flash_calls, topk_calls, latent_target_calls = [], [], []
+    for name, calls in (("causal_flash_attention", flash_calls), ("causal_flash_attention_with_target", flash_calls),
+                        ("dense_attention_target", latent_target_calls)):
+        kernel = getattr(causal_attention, name)
+        monkeypatch.setattr(causal_attention, name,
+                            lambda *a, _calls=calls, _kernel=kernel, **k: _calls.append(1) or _kernel(*a, **k))
     topk = indexer.indexer_topk_with_scores
     monkeypatch.setattr(indexer, "indexer_topk_with_scores", lambda *a, **k: topk_calls.append(1) or topk(*a, **k))
 
@@ -125,6 +128,9 @@ def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, index
     monkeypatch.setattr(ModelConfig, "pallas_options", property(lambda _: dict(platform=platform, interpret=True)))
     value, grads = grad_fn(params, "pallas")
     assert flash_calls  # every layer and the MTP step attended through it
+    # The Mosaic path takes the DSA stages' target from the flash kernel's statistics, the Triton one from the
+    # latent rows.
+    assert bool(latent_target_calls) == (platform == "gpu" and indexer_mode is not None)
     assert not topk_calls  # and none ranked keys it would all keep, nor saved a selection for the backward
     np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-6)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):

@@ -22,7 +22,6 @@ import pytest
 from aot_compile import CHIPS, SCOPED_VMEM_LIMIT, compile_for, mosaic_vmem_bytes, on_chip
 
 from pallas_kernels import (
-    causal_flash_attention,
     dense_attention_target,
     indexer_scores,
     indexer_topk,
@@ -31,6 +30,7 @@ from pallas_kernels import (
     sparse_mla_attention_with_target,
     selected_scores_backward,
 )
+from pallas_kernels.flash_attention import causal_flash_attention_with_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +94,16 @@ def entry_points(shape: Shapes, dtype) -> dict:
     # Every key selected (T <= N): jax's flash kernels over the expanded heads (qk 192 + 64, v 256), T tokens.
     q_heads, v_heads, segments = sds((b, t, h, 256), dtype), sds((b, t, h, 256), dtype), sds((b, t), jnp.int32)
 
-    def flash_loss(q, k, v, segments):
-        return jnp.sum(causal_flash_attention(q, k, v, segments, scale=256**-0.5, **compiled).astype(jnp.float32))
+    def flash_loss(q, k, v, segments):  # the KL target (a constant) from the forward's statistics, and the backward
+        out, target = causal_flash_attention_with_target(q, k, v, segments, scale=256**-0.5, **compiled)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(target)
 
     grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
     return {
-        "causal_flash_attention_with_backward": (grad(flash_loss, 3), (q_heads, q_heads, v_heads, segments), 3),
+        # Flash forward, the target from its statistics (`tpu_flash_target`), dk/dv and dq: `causal_flash_attention`
+        # runs the same three flash kernels.
+        "causal_flash_attention_with_target_and_backward": (  # the loss's value needs the target (a constant)
+            jax.value_and_grad(flash_loss, argnums=(0, 1, 2)), (q_heads, q_heads, v_heads, segments), 4),
         # No sparse MLA backward without the target: the backward with it holds the same backward kernel
         # (same function, same shapes: 60 s of compiles).
         "sparse_mla_forward": (attention, (q, latent, indices), 1),

@@ -47,10 +47,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # under `full_without_topk_scores`.
 ALWAYS_SAVED = ("dsa_topk", "dsa_topk_scores")
 _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
-# The routed experts' grouped-matmul outputs (gate and up projections of the received rows): keeping them lets a
-# rematerialised MoE layer's backward skip every routed-expert matmul of the recompute (their weight and input
-# gradients need only these and the re-dispatched rows), at 2 x rows x F values per layer.
-EXPERT_MATMUL_NAMES = ("expert_gate", "expert_up")
+# The routed experts' grouped-matmul output (the gate and up projections of the received rows, one [rows, 2F]
+# array): keeping it lets a rematerialised MoE layer's backward skip every routed-expert matmul of the recompute
+# (their weight and input gradients need only it and the re-dispatched rows), at 2 x rows x F values per layer.
+EXPERT_MATMUL_NAMES = ("expert_gate_up",)
 # Outputs of the attention's forward kernel (the sparse MLA kernel's latent output and log-sum-exp): they are
 # also its custom VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new
 # value; the backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its

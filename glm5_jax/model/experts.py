@@ -37,10 +37,14 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
     `glm5_jax.ops.platform.compiled_platform`)."""
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
-    matmul = lambda x, w: grouped_matmul(x, w.astype(dtype), group_sizes, platform, zero_outside)  # noqa: E731
-    gate = checkpoint_name(matmul(x_sorted, experts["gate_proj"]), "expert_gate")  # remat "full_keep_experts"
-    up = checkpoint_name(matmul(x_sorted, experts["up_proj"]), "expert_up")
-    return matmul(jax.nn.silu(gate) * up, experts["down_proj"])
+    matmul = lambda x, w: grouped_matmul(x, w, group_sizes, platform, zero_outside)  # noqa: E731
+    # The gate and up projections as one grouped matmul of [E, D, 2F] weights (concatenated here; a copy of the
+    # weights, not of the rows): its backward's input gradient is one matmul over both, instead of two whose
+    # [rows, D] results are then summed (v6e-256: 66 GB of HBM traffic per step, benchmarks/BENCHMARKS.md).
+    width = experts["gate_proj"].shape[-1]
+    gate_up = jnp.concatenate([experts["gate_proj"].astype(dtype), experts["up_proj"].astype(dtype)], axis=-1)
+    projected = checkpoint_name(matmul(x_sorted, gate_up), "expert_gate_up")  # remat "full_keep_experts"
+    return matmul(jax.nn.silu(projected[:, :width]) * projected[:, width:], experts["down_proj"].astype(dtype))
 
 
 def experts_gathered(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:

@@ -22,12 +22,13 @@ def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
 
 def swiglu_rows(rows: int, hidden: int, intermediate: int, groups: int, dtype, platform: str | None = None,
                 device_kind: str | None = None) -> int:
-    """The fewest rows, at least `rows`, on which a grouped SwiGLU's matmuls ([rows, hidden] -> [rows, intermediate]
-    and back, `groups` groups) run without padding their inputs: a buffer this size spares a copy of it per
-    matmul (TPU row tiles, for the chip `device_kind`, default `compiled_device_kind`; `rows` elsewhere)."""
+    """The fewest rows, at least `rows`, on which a grouped SwiGLU's matmuls ([rows, hidden] -> [rows, 2 x
+    intermediate], the gate and up projections in one, and [rows, intermediate] -> [rows, hidden], `groups` groups)
+    run without padding their inputs: a buffer this size spares a copy of it per matmul (TPU row tiles, for the
+    chip `device_kind`, default `compiled_device_kind`; `rows` elsewhere)."""
     platform, kind = compiled_platform(platform), device_kind or compiled_device_kind()
     for _ in range(4):  # the tiles depend on the rows: settle on rows both shapes take whole
-        padded = max(kernel_rows(rows, hidden, intermediate, groups, dtype, platform=platform, device_kind=kind),
+        padded = max(kernel_rows(rows, hidden, 2 * intermediate, groups, dtype, platform=platform, device_kind=kind),
                      kernel_rows(rows, intermediate, hidden, groups, dtype, platform=platform, device_kind=kind))
         if padded == rows:
             break

@@ -286,8 +286,11 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         out = _run_local_experts(experts, recv, _row_experts(recv_counts, accepted[:, me], layout), layout,
                                  platform)
         source_starts = (jnp.cumsum(everyone, axis=1) - everyone)[:, me]  # my chunk's start at each source
-        back = as_rows(exchange(as_blocks(out), as_blocks(jnp.zeros_like(send)), offsets[:, me], accepted[:, me],
-                                source_starts, mine))
+        # The rows come back into the send buffer itself, dead once sent (XLA updates it in place instead of
+        # filling a zero buffer): rows nothing returns (assignments dropped here, padding) keep a token's row,
+        # which `scale` zeroes below. A constant to the backward (its cotangent is never needed).
+        back = as_rows(exchange(as_blocks(out), as_blocks(jax.lax.stop_gradient(send)), offsets[:, me],
+                                accepted[:, me], source_starts, mine))
     kept_rows = jnp.minimum(sent, g * mine)  # [ep] of each chunk, its rows that fit
     kept = (rank < kept_rows[chunk])[inverse]
     combined = permute_rows(back, slot, fill)  # assignment order

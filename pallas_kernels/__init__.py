@@ -8,7 +8,8 @@ gradient: Mosaic only, `tpu_selected_scores`; reference `selected_scores`). See 
 bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward; and
 causal attention over every visible key for layers whose top-k keeps every key (`causal_flash_attention`: jax's
-Mosaic or Triton flash kernels with their costs declared).
+Mosaic or Triton flash kernels with their costs declared; on TPU also with the indexer KL target from the flash
+forward's own log-sum-exp, `flash_attention.causal_flash_attention_with_target`).
 """
 
 from pallas_kernels._common import NEG_INF

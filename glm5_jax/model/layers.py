@@ -49,23 +49,22 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
     sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
     half = x.shape[-1] // 2
-    evens_odds = _deinterleave(x)
+    evens_odds = _deinterleave(x).astype(jnp.float32)
     even, odd = evens_odds[..., :half], evens_odds[..., half:]
     rotated = jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     return rotated.astype(x.dtype)
 
 
 def _deinterleave(x: jax.Array) -> jax.Array:
-    """fp32 [x[..., 0::2], x[..., 1::2]] as one [R, R] permutation matmul, exact (each output is one input times
-    1). XLA:TPU writes lane-strided slices out in fp32, and their gradients' pads; the matmul's output feeds the
+    """[x[..., 0::2], x[..., 1::2]] as one [R, R] permutation matmul in x's dtype, exact (each output is one input
+    times 1). XLA:TPU writes lane-strided slices out in fp32, and their gradients' pads; the matmul's output feeds the
     rotation's fusion instead (a [2048, 64, 64] rotation and its gradient compiled for v6e: 159 -> 59 MB of HBM
     traffic; GLM-5's q and k rotations on v6e-256, benchmarks/BENCHMARKS.md)."""
     r = x.shape[-1]
     source = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
     permutation = np.zeros((r, r), np.float32)
     permutation[source, np.arange(r)] = 1.0
-    return jnp.einsum("...R,RQ->...Q", x, jnp.asarray(permutation, x.dtype), precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("...R,RQ->...Q", x, jnp.asarray(permutation, x.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
 def apply_rope_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import default_platform
 from pallas_kernels.gpu_grouped_matmul import gpu_grouped_matmul
-from pallas_kernels.tpu_grouped_matmul import Tiling, tpu_grouped_matmul, tpu_kernel_rows
+from pallas_kernels.tpu_grouped_matmul import MIN_VMEM_LIMIT, Tiling, tpu_grouped_matmul, tpu_kernel_rows
 
 GROUPED_MATMUL_PLATFORMS = ("cpu", "gpu", "tpu")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -45,7 +45,7 @@ def resolve_grouped_platform(platform: str | None) -> str:
     return platform
 
 
-def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind) -> None:
+def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit) -> None:
     if getattr(lhs, "ndim", None) != 2:
         raise ValueError(f"lhs must be [M, K]; got shape {getattr(lhs, 'shape', type(lhs).__name__)}")
     if getattr(rhs, "ndim", None) != 3:
@@ -73,12 +73,17 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind) -> None:
     if device_kind is not None and not isinstance(device_kind, str):
         raise ValueError(f"device_kind must be None or jax's name of a device (e.g. 'TPU v6 lite'); "
                          f"got {device_kind!r}")
+    if vmem_limit is not None and (isinstance(vmem_limit, bool) or not isinstance(vmem_limit, int)
+                                   or vmem_limit < MIN_VMEM_LIMIT):
+        raise ValueError(f"vmem_limit must be None (the chip's default) or the scoped VMEM in bytes the one-group "
+                         f"kernels ask for, at least {MIN_VMEM_LIMIT} (16 MiB); got {vmem_limit!r}")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    group_offset: jax.Array | int | None = None, platform: str | None = None,
                    interpret: bool = False, tiling: Tiling | None = None,
-                   device_kind: str | None = None, zero_outside: bool = True) -> jax.Array:
+                   device_kind: str | None = None, zero_outside: bool = True,
+                   vmem_limit: int | None = None) -> jax.Array:
     """lhs [M, K] (rows sorted by group) x rhs [G, K, N] -> [M, N] in lhs.dtype, differentiable in lhs and rhs.
 
     `group_sizes` int32 [Gt]: rows per group, in row order. rhs holds groups [group_offset, group_offset + G)
@@ -89,8 +94,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     `platform`: "tpu", "gpu", "cpu" or None (the default backend); `interpret` runs the TPU / GPU kernels
     in Pallas interpret mode (on CPU). `tiling` (rows, K, N): the largest tiles to use, for all three kernels; each
     is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`). `device_kind`
-    (jax's name of the TPU compiled for, e.g. "TPU v6 lite"; None: any TPU) sets the TPU tiles' VMEM budget."""
-    _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind)
+    (jax's name of the TPU compiled for, e.g. "TPU v6 lite"; None: any TPU) sets the TPU tiles' VMEM budget.
+    `vmem_limit` (bytes; None: the chip's default) with one group of one and `zero_outside` False runs
+    `tpu_one_group_matmul`'s kernels, which ask for that much scoped VMEM and are tiled for it."""
+    _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit)
     platform = resolve_grouped_platform(platform)
     if platform == "cpu":
         return grouped_matmul_reference(lhs, rhs, group_sizes, group_offset=group_offset)
@@ -98,14 +105,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if platform == "gpu":
         return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
     return tpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
-                              device_kind=device_kind, zero_outside=zero_outside)
+                              device_kind=device_kind, zero_outside=zero_outside, vmem_limit=vmem_limit)
 
 
 def kernel_rows(m: int, k: int, n: int, groups: int, dtype, *, platform: str | None = None,
-                device_kind: str | None = None) -> int:
+                device_kind: str | None = None, vmem_limit: int | None = None) -> int:
     """The rows `grouped_matmul` works on for lhs [m, k] x rhs [groups, k, n] on `platform`: on TPU m padded to
     the kernels' row tiles, which costs a copy of lhs unless m is already that (a caller sizing a buffer can size
     it so); m elsewhere."""
     if resolve_grouped_platform(platform) != "tpu":
         return m
-    return tpu_kernel_rows(m, k, n, groups, jnp.dtype(dtype).itemsize, device_kind)
+    return tpu_kernel_rows(m, k, n, groups, jnp.dtype(dtype).itemsize, device_kind, vmem_limit)

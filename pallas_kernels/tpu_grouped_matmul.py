@@ -26,6 +26,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels._grouped_rows import held_rows_mask
+from pallas_kernels.tpu_one_group_matmul import one_group_matmul
 
 Tiling = tuple[int, int, int]  # (rows, contracted, output columns) of one kernel's tiles
 
@@ -40,11 +41,19 @@ DEFAULT_SCOPED_VMEM = {6: 32 * 2**20}
 SMALLEST_SCOPED_VMEM = 16 * 2**20
 MOSAIC_SCRATCH = 4 * 2**20
 VMEM_BUDGET = SMALLEST_SCOPED_VMEM - MOSAIC_SCRATCH  # any TPU
+MIN_VMEM_LIMIT = SMALLEST_SCOPED_VMEM
+# Under a kernel's own scoped limit (`tpu_one_group_matmul`) the tiles take this share of it: the cost model's VMEM
+# estimate runs ~10% under what Mosaic allots at large tiles (GLM-5's v6e expert shapes: 92 MiB of tiles by the
+# model took 102 MiB; 72 MiB took 76 MiB, under a 96 MiB limit).
+RAISED_LIMIT_SHARE = 0.75
 
 
-def vmem_budget(device_kind: str | None) -> int:
-    """VMEM bytes the tiles may take on the TPU jax names `device_kind` ("TPU v6 lite", "TPU v5p", ...); None or
-    an unknown name: the smallest default (VMEM_BUDGET)."""
+def vmem_budget(device_kind: str | None, vmem_limit: int | None = None) -> int:
+    """VMEM bytes the tiles may take on the TPU jax names `device_kind` ("TPU v6 lite", "TPU v5p", ...; None or an
+    unknown name: the smallest default, VMEM_BUDGET), or within a kernel's own limit of `vmem_limit` bytes:
+    RAISED_LIMIT_SHARE of it."""
+    if vmem_limit is not None:
+        return int(vmem_limit * RAISED_LIMIT_SHARE)
     generation = re.match(r"TPU v(\d+)", device_kind or "")
     scoped = DEFAULT_SCOPED_VMEM.get(int(generation.group(1)) if generation else 0, SMALLEST_SCOPED_VMEM)
     return scoped - MOSAIC_SCRATCH
@@ -186,27 +195,43 @@ def _grouped_bwd(tiles, interpret, zero_outside, residuals, d_out):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def tpu_kernel_rows(m: int, k: int, n: int, groups: int, itemsize: int, device_kind: str | None = None) -> int:
+def tpu_kernel_rows(m: int, k: int, n: int, groups: int, itemsize: int, device_kind: str | None = None,
+                    vmem_limit: int | None = None) -> int:
     """The rows `tpu_grouped_matmul` runs lhs [m, k] x rhs [groups, k, n] on: m padded to its row tiles (by a copy
-    of lhs, unless m already is a multiple of them)."""
+    of lhs, unless m already is a multiple of them); `vmem_limit` as there (one group, rows past it undefined)."""
+    limit = vmem_limit if groups == 1 else None
     tiles = choose_tiles(round_up(m, LANE), round_up(k, LANE), round_up(n, LANE), groups, itemsize, None,
-                         vmem_budget(device_kind))
+                         vmem_budget(device_kind, limit))
     return round_up(m, tiles.row_multiple)
 
 
 def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
                        tiling: Tiling | None = None, interpret: bool = False,
-                       device_kind: str | None = None, zero_outside: bool = True) -> jax.Array:
+                       device_kind: str | None = None, zero_outside: bool = True,
+                       vmem_limit: int | None = None) -> jax.Array:
     """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`), tiled for the TPU
-    named `device_kind` (None: any). `zero_outside` False leaves the output's and the input gradient's rows
+    named `device_kind` (None: any). With `vmem_limit` (bytes), one group of one, and `zero_outside` False (the
+    pod recipes' one expert per chip), `tpu_one_group_matmul`'s kernels run instead, asking for that much scoped
+    VMEM and tiled for it (`vmem_budget`); megablox's otherwise (the limit unused). `zero_outside` False leaves the output's and the input gradient's rows
     outside the held groups undefined (no pass over them); the weight gradient never reads them (tgmm selects
     the groups' rows)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)
-    tiles = choose_tiles(round_up(m, LANE), k_pad, n_pad, rhs.shape[0], jnp.dtype(lhs.dtype).itemsize,
-                         None if tiling is None else tuple(tiling), vmem_budget(device_kind))
-    lhs = pad_axis(pad_axis(lhs, 0, round_up(m, tiles.row_multiple)), 1, k_pad)
+    one_group = vmem_limit is not None and rhs.shape[0] == group_sizes.shape[0] == 1 and not zero_outside
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    tiles = choose_tiles(round_up(m, LANE), k_pad, n_pad, rhs.shape[0], itemsize,
+                         None if tiling is None else tuple(tiling),
+                         vmem_budget(device_kind, vmem_limit if one_group else None))
+    rows = round_up(m, tiles.row_multiple)
+    lhs = pad_axis(pad_axis(lhs, 0, rows), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
-    out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)
+    if one_group:
+        flops = 2 * rows * k_pad * n_pad
+        costs = ((flops, gmm_hbm_bytes(rows, k_pad, n_pad, 1, tiles.forward, itemsize)),
+                 (flops, gmm_hbm_bytes(rows, n_pad, k_pad, 1, tiles.input_grad, itemsize)),
+                 (flops, tgmm_hbm_bytes(rows, k_pad, n_pad, 1, tiles.weight_grad, itemsize)))
+        out = one_group_matmul(lhs, rhs[0], jnp.minimum(group_sizes, m), tiles, vmem_limit, costs, interpret)
+    else:
+        out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)
     return out[:m, :n]

@@ -37,6 +37,8 @@ def test_yaml_overrides_are_typed():
     (dict(indexer_types=("shared", "full", "full")), "indexer_types", "first layer"),
     (dict(indexer_types=("full",)), "indexer_types", "one entry per layer"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim", "even"),
+    (dict(moe_kernel_vmem_mib=8), "moe_kernel_vmem_mib", "from 16 to 128"),
+    (dict(moe_kernel_vmem_mib=True), "moe_kernel_vmem_mib", "0 (the chip's default)"),
 ])
 def test_invalid_configs_name_field_value_and_range(change, field, hint):
     base = load_model_config("configs/tiny.yaml")

@@ -38,6 +38,7 @@ ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
 ROW_GRADIENTS = ("scatter", "atomic")  # pallas_kernels.sparse_mla's (config sits below the kernels' layer)
 MOE_BACKENDS = ("reference", "ragged", "ep")
+MAX_KERNEL_VMEM_MIB = 128  # a v6e TensorCore's VMEM
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 # `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).
@@ -160,6 +161,11 @@ class ModelConfig:
     # spares libtpu's relayout of every buffer the collective cuts (glm5_jax.model.expert_parallel). 0: the tile's
     # height on TPU (16 rows of bf16), 1 elsewhere.
     ep_row_block: int = 0
+    # Scoped VMEM the routed experts' TPU kernels ask for, MiB, where one expert per chip runs them (moe_backend
+    # "ep"): 0 = megablox's kernels within the chip's default (16 MiB on v5p, 32 on v6e); > 0 = the project's
+    # one-group kernels with that limit of their own, tiled for it (larger row tiles re-read the expert's weights
+    # fewer times; `pallas_kernels.tpu_one_group_matmul`). Google's v6e recipes give kernels 96 MiB of the 128.
+    moe_kernel_vmem_mib: int = 0
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     remat_policy: str = "none"
@@ -281,6 +287,10 @@ class ModelConfig:
         if isinstance(self.ep_row_block, bool) or not isinstance(self.ep_row_block, int) or not (
                 0 <= self.ep_row_block <= 1024):
             _fail("ep_row_block", self.ep_row_block, "must be an integer from 0 (the chip's tile height) to 1024")
+        if isinstance(self.moe_kernel_vmem_mib, bool) or not isinstance(self.moe_kernel_vmem_mib, int) or not (
+                self.moe_kernel_vmem_mib == 0 or 16 <= self.moe_kernel_vmem_mib <= MAX_KERNEL_VMEM_MIB):
+            _fail("moe_kernel_vmem_mib", self.moe_kernel_vmem_mib,
+                  f"must be 0 (the chip's default) or an integer from 16 to {MAX_KERNEL_VMEM_MIB}")
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("pallas_platform", PALLAS_PLATFORMS),
                               ("moe_backend", MOE_BACKENDS), ("sparse_row_gradients", ROW_GRADIENTS),
                               ("ep_transport", ("auto", "padded", "ragged")),

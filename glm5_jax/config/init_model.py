@@ -18,7 +18,7 @@ from glm5_jax.config.core import ConfigError, ModelConfig, from_dict, load_yaml
 # How the weights are used, not what they are: a config may choose these freely over the run's (index_topk:
 # DSA continued pre-training moves the same weights from dense attention to top-k, configs/dsa_*.yaml).
 EXECUTION_FIELDS = ("attention_backend", "pallas_platform", "flash_every_key", "sparse_row_gradients", "moe_backend",
-                    "moe_capacity_factor", "ep_transport", "ep_row_block",
+                    "moe_capacity_factor", "ep_transport", "ep_row_block", "moe_kernel_vmem_mib",
                     "param_dtype", "compute_dtype", "remat_policy", "scan_layers", "index_query_chunk",
                     "index_key_block", "index_topk", "mtp_num_steps")
 # Training keeps fp32 master weights (ModelConfig's default) whatever dtype the run stored (bf16 for an import).

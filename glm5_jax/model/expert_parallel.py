@@ -77,6 +77,7 @@ class DispatchLayout:
     expert_shards: int  # ep
     receive_rows: int   # R: rows one device's experts receive (a multiple of row_block)
     row_block: int = 1  # G: rows move in blocks of G (module docstring)
+    kernel_vmem: int | None = None  # bytes of scoped VMEM the one-expert kernels ask for (model.moe_kernel_vmem_mib)
 
     @property
     def receive_blocks(self) -> int:
@@ -207,7 +208,8 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
         # exchange moves only received rows), so the kernels may leave them undefined: no mask pass over
         # [R, D] in the forward, its recompute or the backward either.
         last = jnp.max(jnp.where(filled, jnp.arange(expert.shape[0], dtype=jnp.int32) + 1, 0))
-        return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform, zero_outside=False)
+        return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform, zero_outside=False,
+                              vmem_limit=layout.kernel_vmem)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     order = jnp.argsort(expert, stable=True)
     inverse = inverse_permutation(order)
@@ -315,9 +317,11 @@ def mesh_layout(config, mesh: Mesh, up_shape: tuple[int, ...], local_tokens: int
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), up_shape, mesh)
     d, f = (size // math.prod(mesh_axis_size(mesh, axis) for axis in spec_axes(PartitionSpec(entry)))
             for size, entry in zip(up_shape[1:], up_spec[1:]))
+    kernel_vmem = config.moe_kernel_vmem_mib * 2**20 if config.moe_kernel_vmem_mib and layout.local_experts == 1 \
+        else None
     rows = swiglu_rows(layout.receive_rows, d, f, layout.local_experts, dtype, platform,
-                       mesh.devices.flat[0].device_kind)
-    return dataclasses.replace(layout, receive_rows=-(-rows // block) * block)
+                       mesh.devices.flat[0].device_kind, kernel_vmem)
+    return dataclasses.replace(layout, receive_rows=-(-rows // block) * block, kernel_vmem=kernel_vmem)
 
 
 def dispatch_without_exchange(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,

@@ -99,6 +99,38 @@ def test_rows_outside_the_groups_may_be_left_undefined(case):
     np.testing.assert_allclose(_as_f32(got[2]), _as_f32(want[2]), err_msg="d_rhs", **TOLERANCE[jnp.float32])
 
 
+@pytest.mark.parametrize("rows", [437, 0])
+def test_one_group_with_its_own_vmem_limit_runs_its_own_kernels(rows, monkeypatch):
+    """One group of one, rows past it left undefined and a VMEM limit (the pod recipes' expert on v6e):
+    `tpu_one_group_matmul`'s kernels, whose row-tile grid covers the active tiles only. The group's rows of the
+    output and the input gradient, and the weight gradient, equal the reference's with NaN rows and cotangents
+    past the group (4 row tiles of 128 for 437 rows, the last partial; K and N over several tiles); no rows: a
+    zero weight gradient."""
+    import pallas_kernels.tpu_grouped_matmul as tpu_module
+
+    calls = []
+    one_group = tpu_module.one_group_matmul
+    monkeypatch.setattr(tpu_module, "one_group_matmul", lambda *a: calls.append(1) or one_group(*a))
+    m, k, n = 600, 260, 200
+    rng = np.random.RandomState(3)
+    inside = np.arange(m) < rows
+    lhs = jnp.where(inside[:, None], jnp.asarray(rng.randn(m, k), jnp.float32), jnp.nan)
+    rhs = jnp.asarray(rng.randn(1, k, n) / np.sqrt(k), jnp.float32)
+    d_out = jnp.where(inside[:, None], jnp.asarray(rng.randn(m, n), jnp.float32), jnp.nan)
+    sizes = jnp.array([rows], jnp.int32)
+    kernel = lambda a, b: grouped_matmul(a, b, sizes, platform="tpu", interpret=True,  # noqa: E731
+                                         tiling=(128, 128, 128), zero_outside=False, vmem_limit=96 * 2**20)
+    reference = lambda a, b: grouped_matmul_reference(a, b, sizes)  # noqa: E731
+    got = jax.jit(lambda a, b, d: _value_and_grads(kernel, a, b, d))(lhs, rhs, d_out)
+    want = jax.jit(lambda a, b, d: _value_and_grads(reference, a, b, d))(jnp.nan_to_num(lhs), rhs,
+                                                                         jnp.nan_to_num(d_out))
+    assert calls
+    for name, g, w in zip(("out", "d_lhs"), got, want):
+        np.testing.assert_allclose(_as_f32(g)[inside], _as_f32(w)[inside], err_msg=name, **TOLERANCE[jnp.float32])
+    np.testing.assert_allclose(_as_f32(got[2]), _as_f32(want[2]), err_msg="d_rhs", **TOLERANCE[jnp.float32])
+    assert rows or not np.any(_as_f32(got[2]))
+
+
 def test_reference_with_group_offset_is_each_rows_own_group():
     lhs, rhs, sizes, offset, _ = _inputs("group_offset", jnp.float32)
     got = np.asarray(grouped_matmul_reference(lhs, rhs, sizes, group_offset=offset))
@@ -242,12 +274,14 @@ GLM5_EXPERTS = dict(m=16384, k=6144, n=2048, groups=32)
 POD_EXPERT = dict(m=40960, k=6144, n=2048, groups=1)
 
 
-def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS, device_kind=None):
-    """(function of lhs, rhs, group_sizes, d_out -> out, d_lhs, d_rhs; its abstract arguments)."""
+def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS, device_kind=None, vmem_limit=None):
+    """(function of lhs, rhs, group_sizes, d_out -> out, d_lhs, d_rhs; its abstract arguments). With `vmem_limit`
+    the rows past the groups are left undefined (the pod recipes' one expert per chip)."""
     m, k, n, g = experts["m"], experts["k"], experts["n"], experts["groups"]
 
     def forward_and_gradients(lhs, rhs, sizes, d_out):
-        return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform=platform, device_kind=device_kind),
+        return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform=platform, device_kind=device_kind,
+                                                            vmem_limit=vmem_limit, zero_outside=vmem_limit is None),
                                 lhs, rhs, d_out)
 
     sds = jax.ShapeDtypeStruct
@@ -293,6 +327,32 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
         ("transpose(jvp(jit(tgmm)))", 2 * m * k * n, tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))]
     assert not re.search(r"%ragged-dot", text)  # XLA:TPU's ragged-dot custom calls and their metadata
     assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)  # no [G, M, ...] expansion
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_the_one_group_kernels_take_their_own_vmem_limit_on_v6e():
+    """The v6e recipe's gate and up projection (`model.moe_kernel_vmem_mib: 96`: 23,040 received rows, [6144,
+    4096] weights, one expert): `tpu_one_group_matmul`'s kernels compile with more than the chip's default 32 MiB
+    of scoped VMEM, within their own 96, in a program compiled with no option, and the three move 30% fewer HBM
+    bytes than megablox's at the default (larger row tiles re-read the weights fewer times), as declared."""
+    limit = 96 * 2**20
+    experts = dict(m=23040, k=6144, n=4096, groups=1)
+    device_kind = chip_sharding("v6e").mesh.devices.flat[0].device_kind
+    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind, vmem_limit=limit)
+    compiled = compile_for(fn, args, "v6e")
+    vmem = mosaic_vmem_bytes(compiled)
+    assert len(vmem) == 3 and 32 * 2**20 < max(vmem) < limit, vmem
+    m, k, n, g = experts.values()
+
+    def bytes_moved(budget):
+        tiles = choose_tiles(m, k, n, g, 2, budget=budget)
+        return (gmm_hbm_bytes(m, k, n, g, tiles.forward, 2) + gmm_hbm_bytes(m, n, k, g, tiles.input_grad, 2)
+                + tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))
+
+    declared = sum(accessed for _, _, accessed in declared_kernel_costs(compiled.as_text()))
+    assert declared == bytes_moved(vmem_budget(device_kind, limit))
+    assert declared < 0.7 * bytes_moved(vmem_budget(device_kind))
 
 
 @pytest.mark.gpu_aot

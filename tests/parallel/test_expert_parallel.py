@@ -128,11 +128,20 @@ def test_mesh_layout_blocks_rows_and_takes_the_grouped_matmuls_whole_row_tiles_o
     layout = mesh_layout(config, tpu_mesh, up_shape, 2048, 8, jnp.bfloat16)
     even = dispatch_layout(2048, 8, 256, 8, 1.25, row_block=16)
     assert layout.row_block == 16 and layout.receive_rows % 16 == 0 and layout.receive_rows >= even.receive_rows
-    for k, n in ((6144, 2048), (2048, 6144)):
+    for k, n in ((6144, 4096), (2048, 6144)):
         assert kernel_rows(layout.receive_rows, k, n, 32, jnp.bfloat16, platform="tpu",
                            device_kind="TPU v6 lite") == layout.receive_rows
     cpu_mesh = make_mesh(MeshConfig(expert=1), jax.devices()[:1])
     assert mesh_layout(config, cpu_mesh, up_shape, 2048, 8, jnp.float32) == dispatch_layout(2048, 8, 256, 1, 1.25)
+    # `moe_kernel_vmem_mib`: with one expert per chip the one-group kernels' own VMEM, and rows they take whole
+    # (the gate and up projection in one, then down); with 32 experts per chip megablox's, as before.
+    raised = dataclasses.replace(config, moe_kernel_vmem_mib=96)
+    assert mesh_layout(raised, tpu_mesh, up_shape, 2048, 8, jnp.bfloat16) == layout
+    one_each = mesh_layout(raised, tpu_mesh, (8, 6144, 2048), 2048, 8, jnp.bfloat16)
+    assert one_each.kernel_vmem == 96 * 2**20 and one_each.local_experts == 1
+    for k, n in ((6144, 4096), (2048, 6144)):
+        assert kernel_rows(one_each.receive_rows, k, n, 1, jnp.bfloat16, platform="tpu", device_kind="TPU v6 lite",
+                           vmem_limit=one_each.kernel_vmem) == one_each.receive_rows
 
 
 def test_settings_and_inputs_are_validated(inputs):

@@ -5,8 +5,11 @@ output and the input gradient, and add nothing to the weight gradient.
 megablox sets no VMEM limit on its kernels, so they get the chip's default scoped VMEM (16 MiB on v5p, 32 MiB on
 v6e) unless the whole program is compiled with a larger one (`xla_tpu_scoped_vmem_limit_kib`), which changes how
 XLA's own fusions use VMEM too (the v6e-256 step with 96 MiB for all: 2.79 -> 2.91 TB of HBM traffic, the grouped
-matmuls' 0.20 TB less outweighed by the rest; benchmarks/BENCHMARKS.md). These kernels ask for their own limit
-(`vmem_limit_bytes`), so larger row tiles re-read the expert's weights fewer times and nothing else changes.
+matmuls' 0.20 TB less outweighed by the rest; benchmarks/BENCHMARKS.md). The forward and input-gradient kernels ask for
+their own limit (`vmem_limit_bytes`), so larger row tiles re-read the expert's weights fewer times and nothing
+else changes. The weight gradient's keeps the default: XLA fuses it with the dynamic update slice writing it into
+the stacked layers' gradient, and such a fusion gets the default scoped limit whatever its kernel asks for (the
+v6e-256 step: 61.5 MiB refused against 32).
 
 Three kernels with megablox's tiling and cost model (`tpu_grouped_matmul`: the rows once per output-column tile,
 the weights once per row tile, the output once): the forward, the input gradient (rhs transposed: N contracted)
@@ -90,8 +93,9 @@ def _weight_grad_kernel(rows_ref, lhs_ref, d_out_ref, out_ref, acc_ref):
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def _weight_grad(lhs, d_out, rows, tiling, out_dtype, vmem_limit: int, cost, interpret: bool):
-    """lhs[:rows]^T x d_out[:rows]: [K, N] (at least one row tile is visited, so rows = 0 gives zeros)."""
+def _weight_grad(lhs, d_out, rows, tiling, out_dtype, cost, interpret: bool):
+    """lhs[:rows]^T x d_out[:rows]: [K, N] (at least one row tile is visited, so rows = 0 gives zeros), within the
+    chip's default scoped VMEM (module docstring)."""
     k, n = lhs.shape[1], d_out.shape[1]
     tm, tk, tn = tiling
     call = pl.pallas_call(
@@ -104,8 +108,7 @@ def _weight_grad(lhs, d_out, rows, tiling, out_dtype, vmem_limit: int, cost, int
             out_specs=pl.BlockSpec((tk, tn), lambda a, b, i, rows: (a, b)),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((k, n), out_dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=vmem_limit),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=cost[0], bytes_accessed=cost[1], transcendentals=0),
         interpret=tpu_interpret(interpret),
     )
@@ -127,7 +130,7 @@ def _one_group_fwd(lhs, rhs, rows, tiles, vmem_limit, costs, interpret):
 def _one_group_bwd(tiles, vmem_limit, costs, interpret, residuals, d_out):
     lhs, rhs, rows = residuals
     d_lhs = _rows_times_rhs(d_out, rhs, rows, tiles.input_grad, True, vmem_limit, costs[1], interpret)
-    d_rhs = _weight_grad(lhs, d_out, rows, tiles.weight_grad, rhs.dtype, vmem_limit, costs[2], interpret)
+    d_rhs = _weight_grad(lhs, d_out, rows, tiles.weight_grad, rhs.dtype, costs[2], interpret)
     return d_lhs, d_rhs, None
 
 

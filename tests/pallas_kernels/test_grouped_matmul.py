@@ -334,25 +334,27 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
 def test_the_one_group_kernels_take_their_own_vmem_limit_on_v6e():
     """The v6e recipe's gate and up projection (`model.moe_kernel_vmem_mib: 96`: 23,040 received rows, [6144,
     4096] weights, one expert): `tpu_one_group_matmul`'s kernels compile with more than the chip's default 32 MiB
-    of scoped VMEM, within their own 96, in a program compiled with no option, and the three move 30% fewer HBM
-    bytes than megablox's at the default (larger row tiles re-read the weights fewer times), as declared."""
+    of scoped VMEM, within their own 96, in a program compiled with no option, and the three move 22% fewer HBM
+    bytes than megablox's at the default (larger row tiles re-read the weights fewer times), as declared. The
+    weight gradient's stays within the default 32 (module docstring of `tpu_one_group_matmul`)."""
     limit = 96 * 2**20
     experts = dict(m=23040, k=6144, n=4096, groups=1)
     device_kind = chip_sharding("v6e").mesh.devices.flat[0].device_kind
     fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind, vmem_limit=limit)
     compiled = compile_for(fn, args, "v6e")
     vmem = mosaic_vmem_bytes(compiled)
-    assert len(vmem) == 3 and 32 * 2**20 < max(vmem) < limit, vmem
+    # The weight gradient's kernel within the default (XLA may fuse it into a dynamic update slice, which gets it).
+    assert len(vmem) == 3 and 32 * 2**20 < max(vmem) < limit and min(vmem) < 32 * 2**20, vmem
     m, k, n, g = experts.values()
 
     def bytes_moved(budget):
-        tiles = choose_tiles(m, k, n, g, 2, budget=budget)
+        tiles = choose_tiles(m, k, n, g, 2, budget=budget, weight_grad_budget=vmem_budget(device_kind))
         return (gmm_hbm_bytes(m, k, n, g, tiles.forward, 2) + gmm_hbm_bytes(m, n, k, g, tiles.input_grad, 2)
                 + tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))
 
     declared = sum(accessed for _, _, accessed in declared_kernel_costs(compiled.as_text()))
     assert declared == bytes_moved(vmem_budget(device_kind, limit))
-    assert declared < 0.7 * bytes_moved(vmem_budget(device_kind))
+    assert declared < 0.8 * bytes_moved(vmem_budget(device_kind))
 
 
 @pytest.mark.gpu_aot

@@ -38,7 +38,7 @@ ATTENTION_BACKENDS = ("auto", "dense", "sparse", "pallas")
 PALLAS_PLATFORMS = ("auto", "gpu", "tpu")
 ROW_GRADIENTS = ("scatter", "atomic")  # pallas_kernels.sparse_mla's (config sits below the kernels' layer)
 MOE_BACKENDS = ("reference", "ragged", "ep")
-MAX_KERNEL_VMEM_MIB = 128  # a v6e TensorCore's VMEM
+MAX_KERNEL_VMEM_MIB = 128  # above any TPU TensorCore's VMEM (libtpu refuses a kernel asking for more than its chip has)
 INDEXER_TYPES = ("full", "shared")
 DTYPES = ("float32", "bfloat16", "float16")
 # `remat_policy` -> what a rematerialised layer keeps from its forward pass ("none" keeps everything).

@@ -317,8 +317,8 @@ def mesh_layout(config, mesh: Mesh, up_shape: tuple[int, ...], local_tokens: int
     up_spec = logical_to_spec(("experts", None, "expert_mlp"), up_shape, mesh)
     d, f = (size // math.prod(mesh_axis_size(mesh, axis) for axis in spec_axes(PartitionSpec(entry)))
             for size, entry in zip(up_shape[1:], up_spec[1:]))
-    kernel_vmem = config.moe_kernel_vmem_mib * 2**20 if config.moe_kernel_vmem_mib and layout.local_experts == 1 \
-        else None
+    one_expert_each = config.moe_kernel_vmem_mib and layout.local_experts == 1
+    kernel_vmem = config.moe_kernel_vmem_mib * 2**20 if one_expert_each else None
     rows = swiglu_rows(layout.receive_rows, d, f, layout.local_experts, dtype, platform,
                        mesh.devices.flat[0].device_kind, kernel_vmem)
     return dataclasses.replace(layout, receive_rows=-(-rows // block) * block, kernel_vmem=kernel_vmem)

@@ -213,9 +213,9 @@ def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
     """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`), tiled for the TPU
     named `device_kind` (None: any). With `vmem_limit` (bytes), one group of one, and `zero_outside` False (the
     pod recipes' one expert per chip), `tpu_one_group_matmul`'s kernels run instead, asking for that much scoped
-    VMEM and tiled for it (`vmem_budget`); megablox's otherwise (the limit unused). `zero_outside` False leaves the output's and the input gradient's rows
-    outside the held groups undefined (no pass over them); the weight gradient never reads them (tgmm selects
-    the groups' rows)."""
+    VMEM and tiled for it (`vmem_budget`); megablox's otherwise (the limit unused). `zero_outside` False leaves
+    the output's and the input gradient's rows outside the held groups undefined (no pass over them); the weight
+    gradient never reads them (tgmm selects the groups' rows)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)

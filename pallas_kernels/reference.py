@@ -130,6 +130,4 @@ def causal_flash_attention_with_target_reference(q, k, v, segment_ids, *, scale,
 def causal_flash_attention_reference(q, k, v, segment_ids, *, scale, interpret=None, platform=None):
     """softmax(scale q.k) v over the keys each query sees (t <= s within its segment), in fp32 at HIGHEST
     precision: [B, S, H, P] fp32 (the kernels return the inputs' dtype)."""
-    logits = jnp.einsum("BSHK,BTHK->BHST", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
-    probs = visible_softmax(logits, visible_keys(segment_ids, segment_ids)[:, None])
-    return jnp.einsum("BHST,BTHP->BSHP", probs, v.astype(jnp.float32), precision=HIGHEST)
+    return causal_flash_attention_with_target_reference(q, k, v, segment_ids, scale=scale)[0]

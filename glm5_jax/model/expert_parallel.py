@@ -190,15 +190,15 @@ def _row_experts(recv_counts: jax.Array, accepted: jax.Array, layout: DispatchLa
     return jnp.where(segment < segments.size, segment % (local + 1), local).astype(jnp.int32)
 
 
-def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout: DispatchLayout,
-                       platform: str) -> jax.Array:
-    """Grouped SwiGLU of the received rows, returned in the receive-buffer layout (empty rows zero). On CPU, whose
-    `ragged_dot` multiplies every row by every local expert, the expert-blocked matmuls of
-    `glm5_jax.model.blocked_experts` run instead, empty rows given weight 0."""
+def _run_local_experts(experts: dict, recv: jax.Array, recv_weights: jax.Array, expert: jax.Array,
+                       layout: DispatchLayout, platform: str) -> jax.Array:
+    """Grouped SwiGLU of the received rows, each scaled by its routing weight (`recv_weights` fp32 [R]), returned
+    in the receive-buffer layout (empty rows zero). On CPU, whose `ragged_dot` multiplies every row by every local
+    expert, the expert-blocked matmuls of `glm5_jax.model.blocked_experts` run instead, empty rows given weight 0."""
     filled = expert < layout.local_experts
     if platform == "cpu":
         ids = jnp.where(filled, expert, 0)[:, None]
-        return experts_blocked(experts, recv, ids, filled[:, None].astype(jnp.float32))
+        return experts_blocked(experts, recv, ids, jnp.where(filled, recv_weights, 0.0)[:, None])
     if layout.local_experts == 1:
         # One expert per device (the pod recipes): the received rows are already in expert order, filled rows
         # first (`_row_experts`), so sorting would be the identity; skipping it saves a gather and a scatter of
@@ -209,11 +209,12 @@ def _run_local_experts(experts: dict, recv: jax.Array, expert: jax.Array, layout
         # [R, D] in the forward, its recompute or the backward either.
         last = jnp.max(jnp.where(filled, jnp.arange(expert.shape[0], dtype=jnp.int32) + 1, 0))
         return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform, zero_outside=False,
-                              vmem_limit=layout.kernel_vmem)
+                              vmem_limit=layout.kernel_vmem, row_weights=recv_weights)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     order = jnp.argsort(expert, stable=True)
     inverse = inverse_permutation(order)
-    out_sorted = grouped_swiglu(experts, permute_rows(recv, order, inverse), group_sizes, platform)
+    out_sorted = grouped_swiglu(experts, permute_rows(recv, order, inverse), group_sizes, platform,
+                                row_weights=permute_rows(recv_weights, order, inverse))
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)
     return permute_rows(out_sorted * mask, inverse, order)
@@ -267,37 +268,43 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         slot = sorted_slot[inverse]
         fill = jnp.full((layout.send_blocks * g,), -1, jnp.int32).at[sorted_slot].set(order, unique_indices=True)
     send = repeat_rows(x, fill, slot)
+    # Each row's routing weight travels with it and scales it at its expert (`grouped_swiglu`): the tokens then
+    # only sum what comes back, so no gradient reads the experts' outputs and, under remat, the backward
+    # recomputes neither the down projection nor the exchange back (rows no assignment fills weigh 0).
+    send_weights = jnp.where(fill >= 0, permute_rows(weights.reshape(-1), fill, slot), 0.0)
     if exchange is None:
         accepted, _ = receive_plan(sent[None, :], layout.receive_rows)
-        recv = jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype).at[:layout.assignments].set(
-            send[:layout.receive_rows])
-        out = _run_local_experts(experts, recv, _row_experts(counts, accepted[:, 0], layout), layout, platform)
+        receive = lambda rows: jnp.zeros((layout.receive_rows, *rows.shape[1:]), rows.dtype).at[  # noqa: E731
+            :layout.assignments].set(rows[:layout.receive_rows])
+        out = _run_local_experts(experts, receive(send), receive(send_weights),
+                                 _row_experts(counts, accepted[:, 0], layout), layout, platform)
         back = jnp.zeros_like(send).at[:layout.receive_rows].set(out[:layout.assignments])
         mine = accepted[0]
     else:
         # Blocks of G rows travel as [blocks, G, D]: its slices along blocks are whole TPU tiles (module docstring).
-        as_blocks = (lambda rows: rows) if g == 1 else (lambda rows: rows.reshape(-1, g, rows.shape[-1]))
-        as_rows = lambda blocked: blocked.reshape(-1, blocked.shape[-1])  # noqa: E731
+        as_blocks = (lambda rows: rows) if g == 1 else (lambda rows: rows.reshape(-1, g, *rows.shape[1:]))
+        as_rows = (lambda rows: rows) if g == 1 else (lambda blocked: blocked.reshape(-1, *blocked.shape[2:]))
         me = jax.lax.axis_index(axes)
         everyone = jax.lax.all_gather(blocks, axes)  # [source, receiver]
         accepted, offsets = receive_plan(everyone, layout.receive_blocks)
         mine = accepted[me]
-        empty = as_blocks(jnp.zeros((layout.receive_rows, x.shape[1]), x.dtype))
-        recv = as_rows(exchange(as_blocks(send), empty, block_starts, mine, offsets[me], accepted[:, me]))
+        receive = lambda rows: as_rows(exchange(  # noqa: E731
+            as_blocks(rows), as_blocks(jnp.zeros((layout.receive_rows, *rows.shape[1:]), rows.dtype)),
+            block_starts, mine, offsets[me], accepted[:, me]))
         recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)  # [source, E_local]
-        out = _run_local_experts(experts, recv, _row_experts(recv_counts, accepted[:, me], layout), layout,
-                                 platform)
+        out = _run_local_experts(experts, receive(send), receive(send_weights),
+                                 _row_experts(recv_counts, accepted[:, me], layout), layout, platform)
         source_starts = (jnp.cumsum(everyone, axis=1) - everyone)[:, me]  # my chunk's start at each source
         # The rows come back into the send buffer itself, dead once sent (XLA updates it in place instead of
         # filling a zero buffer): rows nothing returns (assignments dropped here, padding) keep a token's row,
-        # which `scale` zeroes below. A constant to the backward (its cotangent is never needed).
+        # which the kept mask zeroes below. A constant to the backward (its cotangent is never needed).
         back = as_rows(exchange(as_blocks(out), as_blocks(jax.lax.stop_gradient(send)), offsets[:, me],
                                 accepted[:, me], source_starts, mine))
     kept_rows = jnp.minimum(sent, g * mine)  # [ep] of each chunk, its rows that fit
     kept = (rank < kept_rows[chunk])[inverse]
-    combined = permute_rows(back, slot, fill)  # assignment order
-    scale = jnp.where(kept, weights.reshape(-1), 0.0).astype(x.dtype)[:, None]
-    routed = (combined * scale).reshape(t, top_k, -1).sum(1)
+    combined = permute_rows(back, slot, fill)  # assignment order, already weighted
+    # A [rows, 1] factor (a `where` would keep a [rows, D] mask for the backward).
+    routed = (combined * kept.astype(x.dtype)[:, None]).reshape(t, top_k, -1).sum(1)
     dropped = (layout.assignments - kept_rows.sum()).astype(jnp.int32)
     return routed, dropped
 

@@ -30,11 +30,16 @@ def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weight
 
 
 def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
-                   platform: str | None = None, zero_outside: bool = True, vmem_limit: int | None = None) -> jax.Array:
+                   platform: str | None = None, zero_outside: bool = True, vmem_limit: int | None = None,
+                   row_weights: jax.Array | None = None) -> jax.Array:
     """SwiGLU of rows already sorted by expert; `group_sizes` int32 [E] rows per expert; rows past their sum
     give zeros, or with `zero_outside` False (a caller that never reads them) whatever the kernels leave there,
     in the output and the input gradient. Grouped matmuls for `platform` (see
-    `glm5_jax.ops.platform.compiled_platform`); `vmem_limit` as `ops.grouped_matmul`'s."""
+    `glm5_jax.ops.platform.compiled_platform`); `vmem_limit` as `ops.grouped_matmul`'s.
+
+    `row_weights` [rows] (the routing weights) scale each row's hidden activations before the down projection,
+    which is the same as scaling its output: then no gradient needs the output, so under remat the backward
+    recomputes neither the down projection nor what carries its output back to the tokens."""
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
     matmul = lambda x, w: grouped_matmul(x, w, group_sizes, platform, zero_outside, vmem_limit)  # noqa: E731
@@ -44,7 +49,10 @@ def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
     width = experts["gate_proj"].shape[-1]
     gate_up = jnp.concatenate([experts["gate_proj"].astype(dtype), experts["up_proj"].astype(dtype)], axis=-1)
     projected = checkpoint_name(matmul(x_sorted, gate_up), "expert_gate_up")  # remat "full_keep_experts"
-    return matmul(jax.nn.silu(projected[:, :width]) * projected[:, width:], experts["down_proj"].astype(dtype))
+    hidden = jax.nn.silu(projected[:, :width]) * projected[:, width:]
+    if row_weights is not None:
+        hidden = hidden * row_weights[:, None].astype(dtype)
+    return matmul(hidden, experts["down_proj"].astype(dtype))
 
 
 def experts_gathered(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:

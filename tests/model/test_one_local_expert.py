@@ -39,11 +39,18 @@ def _experts(seed: int) -> dict:
             "down_proj": jax.random.normal(keys[2], (1, F, D))}
 
 
-def _sorted_path(experts, recv, expert):
-    """The general path: sort the rows by expert, grouped matmuls, scatter back, empty rows zero."""
+def _weights(expert, seed: int):
+    """Routing weights of the received rows; 0 on empty rows, as the exchange leaves them."""
+    w = jnp.asarray(np.random.RandomState(seed + 100).uniform(0.1, 1.0, expert.shape[0]), jnp.float32)
+    return jnp.where(expert < 1, w, 0.0)
+
+
+def _sorted_path(experts, recv, weights, expert):
+    """The general path: sort the rows by expert, grouped matmuls of the weighted rows, scatter back, empty rows
+    zero."""
     order = jnp.argsort(expert, stable=True)
     group_sizes = jnp.bincount(expert, length=1).astype(jnp.int32)
-    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, "cpu")
+    out_sorted = grouped_swiglu(experts, recv[order], group_sizes, "cpu", row_weights=weights[order])
     mask = (expert < 1)[order][:, None].astype(out_sorted.dtype)
     return jnp.zeros_like(recv).at[order].set(out_sorted * mask, unique_indices=True)
 
@@ -52,7 +59,8 @@ def _sorted_path(experts, recv, expert):
 def cpu_grouped_matmuls(monkeypatch):
     """The device path (`platform` "tpu") with the grouped matmuls `ragged_dot` runs on CPU."""
     monkeypatch.setattr(expert_parallel, "grouped_swiglu",
-                        lambda e, x, g, platform, **_: grouped_swiglu(e, x, g, "cpu"))
+                        lambda e, x, g, platform, row_weights=None, **_: grouped_swiglu(e, x, g, "cpu",
+                                                                                         row_weights=row_weights))
 
 
 def test_received_rows_are_filled_first_in_expert_order():
@@ -86,16 +94,20 @@ def test_blocked_chunks_are_their_rows_then_padding_to_whole_blocks():
 @pytest.mark.parametrize("seed,layout", [(0, LAYOUT), (1, LAYOUT), (2, LAYOUT), (0, BLOCKED), (1, BLOCKED)])
 def test_one_local_expert_equals_the_sorted_path_in_values_and_gradients(seed, layout, cpu_grouped_matmuls):
     recv, expert = _received(seed, layout)
+    weights = _weights(expert, seed)
     experts = _experts(seed)
     probe = jnp.cos(jnp.arange(recv.size, dtype=jnp.float32)).reshape(recv.shape)
 
     def grads(fn):
-        return jax.value_and_grad(lambda e, r: (fn(e, r) * probe).sum(), argnums=(0, 1))(experts, recv)
+        return jax.value_and_grad(lambda e, r, w: (fn(e, r, w) * probe).sum(), argnums=(0, 1, 2))(
+            experts, recv, weights)
 
-    (value, (d_experts, d_recv)) = grads(lambda e, r: _run_local_experts(e, r, expert, layout, "tpu"))
-    (ref_value, (ref_experts, ref_recv)) = grads(lambda e, r: _sorted_path(e, r, expert))
+    (value, (d_experts, d_recv, d_weights)) = grads(lambda e, r, w: _run_local_experts(e, r, w, expert, layout, "tpu"))
+    (ref_value, (ref_experts, ref_recv, ref_weights)) = grads(lambda e, r, w: _sorted_path(e, r, w, expert))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     np.testing.assert_allclose(d_recv, ref_recv, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(d_weights, ref_weights, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(d_weights)[np.asarray(expert) < 1]).min() > 0  # every filled row's weight is learned
     for name in experts:
         np.testing.assert_allclose(d_experts[name], ref_experts[name], rtol=1e-6, atol=1e-6, err_msg=name)
 
@@ -103,6 +115,7 @@ def test_one_local_expert_equals_the_sorted_path_in_values_and_gradients(seed, l
 def test_one_local_expert_moves_no_row_of_the_receive_buffer(cpu_grouped_matmuls):
     """No gather or scatter of [R, D] rows in the forward or the gradient (the sorted path has both)."""
     recv, expert = _received(0)
+    weights = _weights(expert, 0)
     experts = _experts(0)
 
     def moves(fn):
@@ -110,8 +123,8 @@ def test_one_local_expert_moves_no_row_of_the_receive_buffer(cpu_grouped_matmuls
         shape = f"[{LAYOUT.receive_rows},{D}]"
         return [line for line in str(jaxpr).splitlines() if shape in line and ("gather" in line or "scatter" in line)]
 
-    assert moves(lambda e, r: _sorted_path(e, r, expert))
-    assert not moves(lambda e, r: _run_local_experts(e, r, expert, LAYOUT, "tpu"))
+    assert moves(lambda e, r: _sorted_path(e, r, weights, expert))
+    assert not moves(lambda e, r: _run_local_experts(e, r, weights, expert, LAYOUT, "tpu"))
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, BLOCKED])
@@ -120,11 +133,12 @@ def test_rows_past_the_last_filled_one_reach_no_filled_row(layout, cpu_grouped_m
     their outputs undefined, `zero_outside=False`, as the exchange never sends them back), the filled rows'
     outputs are the sorted path's."""
     recv, expert = _received(3, layout)
+    weights = _weights(expert, 3)
     empty = np.asarray(expert) >= 1
     assert empty.any() and (~empty).any()
     past_last = np.arange(empty.size) > np.flatnonzero(~empty).max()
     assert past_last.any()
     garbage = jnp.where(jnp.asarray(past_last)[:, None], 7.0, recv)
-    out = _run_local_experts(_experts(3), garbage, expert, layout, "tpu")
-    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(_sorted_path(_experts(3), recv, expert))[~empty],
-                               rtol=1e-6, atol=1e-6)
+    out = _run_local_experts(_experts(3), garbage, weights, expert, layout, "tpu")
+    want = _sorted_path(_experts(3), recv, weights, expert)
+    np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(want)[~empty], rtol=1e-6, atol=1e-6)

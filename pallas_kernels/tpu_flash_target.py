@@ -3,7 +3,7 @@ key, the indexer KL's target is the head mean of the main attention's probabilit
 
     target[s, t] = (1 / H) sum_h exp(scale * q_h[s] . k_h[t] - lse_h[s])   (t visible to s, else 0),
 
-and jax's flash forward kernel already computed each (head, query) row's lse (its l and m). So one pass over the
+and the flash forward kernel already computed each (head, query) row's lse (`tpu_flash_attention`). So one pass over the
 expanded-form queries and keys the flash kernel read ([B, H, L, K]) gives the target: no online softmax, and no
 absorbed-form queries ([B, S, H, C+R], padded and copied for the latent-row kernels of `tpu_indexer`).
 

@@ -56,10 +56,10 @@ EXPERT_MATMUL_NAMES = ("expert_gate_up",)
 # also its custom VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new
 # value; the backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its
 # function and module. Keeping them spares the backward pass a re-run of the forward kernel (its 2048-row gather
-# per query). Where the top-k keeps every key, the TPU kernels attend by jax's flash attention instead
-# (`glm5_jax.ops.causal_attention`): its forward kernel's outputs (o, l, m) are kept alike.
+# per query). Where the top-k keeps every key, the TPU kernels attend by flash attention instead
+# (`glm5_jax.ops.causal_attention`): its forward kernel's outputs (o, lse) are kept alike.
 ATTENTION_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_kernel", "tpu_sparse_mla.py"),
-                             ("_flash_attention_kernel", "flash_attention.py"))
+                             ("_flash_forward_kernel", "tpu_flash_attention.py"))
 # The DSA sparse stage's KL target (head-mean attention probabilities at the selected keys, fp32 [B, S, N]): a
 # constant of the indexer's KL gradient, so without it the backward re-runs the target kernel's row gather (GPU).
 # On TPU the sparse MLA forward kernel writes the target itself and the backward re-runs that kernel anyway (for

@@ -1,7 +1,7 @@
 """Attention of every head over every visible key (causal within packed segments), in MLA's expanded form, where
 DSA's selection is the causal mask itself: a layer whose top-k keeps every key (T <= index_topk) and the dense
-warm-up's attention. With the kernels it runs jax's flash attention (`pallas_kernels.flash_attention`: the
-Mosaic kernels on TPU, the Triton ones on GPU) on each device's own rows, instead of the sparse MLA kernel
+warm-up's attention. With the kernels it runs flash attention (`pallas_kernels.flash_attention`: the project's
+Mosaic kernels on TPU, jax's Triton ones on GPU) on each device's own rows, instead of the sparse MLA kernel
 gathering every visible latent row per query.
 
 Only with the kernels (`attention_backend: pallas`, or their interpret modes on CPU), on whole sequences (no

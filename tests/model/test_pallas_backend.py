@@ -90,7 +90,7 @@ def ranked_references():
                                                     ("gpu", "sparse")])
 def test_kernels_attend_by_flash_where_the_top_k_keeps_every_key(platform, indexer_mode, monkeypatch,
                                                                  plain_tpu_interpret, ranked_references):
-    """T <= index_topk: the kernels run jax's flash attention over every visible key (expanded form; Mosaic on
+    """T <= index_topk: the kernels run flash attention over every visible key (expanded form; Mosaic on
     TPU, Triton on GPU) and, in the DSA stages, the dense KL target (on TPU from the flash forward's statistics,
     `tpu_flash_target`; on GPU the latent-row kernel) instead of the sparse MLA kernel, and no
     top-k (the sparse stage's KL over every visible key); loss and gradients, the indexer's included, equal the

@@ -124,7 +124,7 @@ def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy, under_fu
 @pytest.mark.slow
 @pytest.mark.parametrize("index_topk, forward_kernel, backward_kernel", [
     (CONFIG.index_topk, "_forward_kernel", "_backward_kernel"),  # T > N: the sparse MLA kernels
-    (SEQ, "_flash_attention_kernel", "_flash_attention_dq_kernel"),  # T <= N: jax's flash attention
+    (SEQ, "_flash_forward_kernel", "_flash_dq_kernel"),  # T <= N: flash attention (`tpu_flash_attention`)
 ])
 def test_keep_attention_spares_the_backward_the_forward_kernel(index_topk, forward_kernel, backward_kernel, traced):
     """Under `full` the backward re-runs the attention's forward kernel of every rematerialised layer;
@@ -178,11 +178,10 @@ def test_without_topk_scores_keeps_the_selection_only(traced):
 
 def test_the_kept_kernels_are_the_attention_forward_kernels():
     """The policy finds the kernels by function and module name: each must exist, so a rename fails here."""
-    from jax.experimental.pallas.ops.tpu import flash_attention
+    from pallas_kernels import sparse_mla, tpu_flash_attention, tpu_sparse_mla
 
-    from pallas_kernels import sparse_mla, tpu_sparse_mla
-
-    modules = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla, "flash_attention.py": flash_attention}
+    modules = {"sparse_mla.py": sparse_mla, "tpu_sparse_mla.py": tpu_sparse_mla,
+               "tpu_flash_attention.py": tpu_flash_attention}
     for name, module_file in ATTENTION_FORWARD_KERNELS:
         module = modules[module_file]
         assert Path(inspect.getsourcefile(getattr(module, name))).name == module_file
@@ -193,7 +192,7 @@ def test_flash_every_key_false_keeps_the_sparse_mla_kernels(traced):
     """`flash_every_key: false` (for a config whose memory is short) attends over every selected key
     with the sparse MLA kernels, as where T > N; a value that is not a bool is refused by name."""
     flash, sparse = (traced.kernels("none", index_topk=SEQ, flash_every_key=f) for f in (True, False))
-    assert flash["_flash_attention_kernel"] > 0 and "_forward_kernel" not in flash, flash
-    assert sparse["_forward_kernel"] > 0 and "_flash_attention_kernel" not in sparse, sparse
+    assert flash["_flash_forward_kernel"] > 0 and "_forward_kernel" not in flash, flash
+    assert sparse["_forward_kernel"] > 0 and "_flash_forward_kernel" not in sparse, sparse
     with pytest.raises(ConfigError, match="flash_every_key='yes' is invalid: must be true or false"):
         dataclasses.replace(CONFIG, flash_every_key="yes").validate()

@@ -1,4 +1,4 @@
-"""Causal flash attention over every visible key (jax's Mosaic flash kernels behind
+"""Causal flash attention over every visible key (the project's Mosaic flash kernels behind
 `pallas_kernels.flash_attention`, TPU interpret mode on CPU; jax's Triton ones, Pallas's interpret mode) equals
 the masked softmax attention: values and the gradients in q, k and v, with packed segments, head dims that are
 not lane multiples (nor equal, nor powers of two) and a sequence that is not a block multiple; and its declared
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import _Plan, causal_flash_attention
+from pallas_kernels.flash_attention import causal_flash_attention
 from pallas_kernels.gpu_flash_attention import TritonFlashPlan, triton_flash_plan
 from pallas_kernels.reference import causal_flash_attention_reference
+from pallas_kernels.tpu_flash_attention import flash_costs
 
 
 @pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow),  # ~9 s of TPU interpret mode
@@ -41,14 +42,18 @@ def test_values_and_gradients_equal_the_masked_attention(platform):
 
 
 def test_declared_costs_count_the_computed_and_reread_key_blocks():
-    plan = _Plan(batch=1, heads=2, length=1024, dim=256, block=256, itemsize=2)
-    assert plan.block_pairs == 4 * 5 // 2  # on or below the diagonal of 4 x 4 blocks
+    costs = flash_costs(batch=1, heads=2, length=1024, dim=256, block=256, itemsize=2)
+    pairs = 2 * 4 * 5 // 2  # per head, the block pairs on or below the diagonal of 4 x 4 blocks
     pair = 2 * 256 * 256 * 256  # one [256, D] x [D, 256] product
-    flops, accessed, _ = plan.forward_cost()
-    assert flops == 2 * 10 * 2 * pair  # q.k and p.v, per head
-    tile = 256 * 256 * 2  # one block of k (or v) rows
-    assert accessed == 2 * (2 * 10 * tile) + 2 * 2 * 1024 * 256 * 2 + 2 * 2 * 1024 * 128 * 4
-    assert plan.dkv_cost()[0] == 2 * 10 * 4 * pair and plan.dq_cost()[0] == 2 * 10 * 3 * pair
+    tile = 256 * 256 * 2  # one [256, D] bf16 block
+    whole = 2 * 1024 * 256 * 2  # one [B, H, L, D] bf16 array
+    stats = 2 * 1024 * 4  # one row of fp32 statistics per (head, query)
+    # The forward streams k and v past each query block and reads q, writes o and the lse once.
+    assert costs["forward"] == (2 * pairs * pair, 2 * pairs * tile + 2 * whole + stats, pairs * 256 * 256)
+    # dk/dv: q and do streamed past each key block, with their lse and di rows; k, v read and dk, dv written.
+    assert costs["dkv"] == (4 * pairs * pair, 2 * pairs * tile + 2 * pairs * 256 * 4 + 4 * whole, pairs * 256 * 256)
+    # dq: k and v streamed past each query block; q, do, lse, di read and dq written once.
+    assert costs["dq"] == (3 * pairs * pair, 2 * pairs * tile + 3 * whole + 2 * stats, pairs * 256 * 256)
 
 
 def test_triton_declared_costs_count_the_visited_blocks():

@@ -1,5 +1,5 @@
 """The indexer KL's dense target from the flash kernel's own statistics (`causal_flash_attention_with_target`:
-jax's Mosaic flash forward, then `tpu_flash_target` over its operands and log-sum-exp; TPU interpret mode on
+the Mosaic flash forward, then `tpu_flash_target` over its operands and log-sum-exp; TPU interpret mode on
 CPU) equals the head mean of the masked softmax, with packed segments, a sequence that is not a block multiple,
 heads in several groups and a head dim that is not a lane multiple; the attention output and its gradients are
 the flash kernel's; the declared cost counts the tiles on or below the diagonal."""

@@ -1,6 +1,6 @@
 """The whole model with attention_backend "pallas" and pallas_platform "gpu" compiles for an H100 inside a full
 training step of the DSA warm-up: XLA's GPU compiler and its Triton compiler accept every Pallas Triton kernel
-the model calls (jax's flash attention over every visible key among them), inside jit, grad, the layer scan and
+the model calls (flash attention over every visible key among them), inside jit, grad, the layer scan and
 the optimizer update. No GPU needed. (The sparse stage's
 kernels are compiled inside `glm5 compile`'s step for an H200 cluster, tests/parallel/test_compile_cli.py.)"""
 

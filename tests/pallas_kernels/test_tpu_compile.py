@@ -91,7 +91,7 @@ def entry_points(shape: Shapes, dtype) -> dict:
         return selected_scores_backward(q, k, w, indices, d_scores, block_n=shape.block_n,
                                         bwd_query_chunk=shape.bwd_query_chunk, **compiled)
 
-    # Every key selected (T <= N): jax's flash kernels over the expanded heads (qk 192 + 64, v 256), T tokens.
+    # Every key selected (T <= N): the flash kernels over the expanded heads (qk 192 + 64, v 256), T tokens.
     q_heads, v_heads, segments = sds((b, t, h, 256), dtype), sds((b, t, h, 256), dtype), sds((b, t), jnp.int32)
 
     def flash_loss(q, k, v, segments):  # the KL target (a constant) from the forward's statistics, and the backward

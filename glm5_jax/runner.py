@@ -252,10 +252,11 @@ def _train_step(cfg: ExperimentConfig, trainer: Trainer, state: TrainState, batc
 
 def _refuse_non_finite(cfg: ExperimentConfig, step: int, host: dict, state: TrainState, checkpointer: Checkpointer,
                        config_changes: list[str], log) -> None:
-    """The step was not applied: stop naming the first non-finite leaf, or (train.non_finite=skip) say so."""
+    """The step was not applied: stop naming the first non-finite leaf, or (train.non_finite=skip) say so. A state
+    the update itself made non-finite (`non_finite_state`) cannot be skipped: the old one is gone, so stop."""
     message = describe_non_finite(step, host, checked_leaf_names(state.params, state.opt_state),
                                   _flat_settings(cfg), state.params, checkpointer.latest_step(), config_changes)
-    if cfg.train.non_finite == "stop":
+    if cfg.train.non_finite == "stop" or host.get("non_finite_state"):
         raise TrainingError(f"{message}\n  the last good checkpoint (step {checkpointer.latest_step()}) is kept")
     log(f"skipped (train.non_finite=skip): {message}")
 

@@ -121,10 +121,10 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig, optimi
         if objective.updates_router_bias:
             new_params = update_correction_biases(new_params, counts, train_config.bias_update_rate,
                                                   config=model_config)
-        metrics = {"grad_norm": optax.tree.norm(grads), "tokens": (batch["segment_ids"] > 0).sum(),
-                   **objective.metrics(sums, dens, counts)}
+        metrics = {"tokens": (batch["segment_ids"] > 0).sum(), **objective.metrics(sums, dens, counts)}
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state.step)
+        # Adds grad_norm: its sums of squares are the gradients' finiteness check.
         new_params, opt_state, metrics = keep_state_unless_finite(params, state.opt_state, new_params, opt_state,
                                                                   grads, metrics)
         return TrainState(state.step + 1, new_params, opt_state), metrics

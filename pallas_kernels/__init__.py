@@ -7,9 +7,11 @@ code the model runs without kernels (`sparse_latent`, `chunked_topk`, blocked ov
 gradient: Mosaic only, `tpu_selected_scores`; reference `selected_scores`). See README.md in this folder for memory
 bounds and tie-breaking.
 And the routed experts' grouped matmul (`grouped_matmul`, its reference beside it), with a real backward; and
-causal attention over every visible key for layers whose top-k keeps every key (`causal_flash_attention`: jax's
-Mosaic or Triton flash kernels with their costs declared; on TPU also with the indexer KL target from the flash
-forward's own log-sum-exp, `flash_attention.causal_flash_attention_with_target`).
+causal attention over every visible key for layers whose top-k keeps every key (`causal_flash_attention`: the
+project's Mosaic flash kernels, `tpu_flash_attention`, or jax's Triton ones, with their costs declared; on TPU
+also with the indexer KL target from the flash forward's own log-sum-exp,
+`flash_attention.causal_flash_attention_with_target`).
+And `uninitialized`: an HBM buffer nothing writes, for outputs a collective fills (TPU).
 """
 
 from pallas_kernels._common import NEG_INF

@@ -11,8 +11,13 @@ share one copy of the experts. Every device:
    rows for expert-rank j's experts, in expert order, then token order;
 2. learns every device's chunk sizes (an all-gather of ep counts), and from them where each chunk lands in its
    receiver's buffer of R rows: sources in rank order, each chunk after the previous one's;
-3. sends its chunks (`jax.lax.ragged_all_to_all`, only the rows that fit travel), runs its local experts on the
-   received rows and sends the results back the same way.
+3. sends its chunks (`jax.lax.ragged_all_to_all`, only the rows that fit travel) with each row's routing weight,
+   runs its local experts on the received rows, each scaled by its weight before the down projection, and sends
+   the results back the same way; the tokens sum what comes back. So no gradient needs the experts' outputs, and
+   under remat the backward recomputes neither the down projection nor the exchange back.
+
+With one expert per device, rows past the received ones are never read: on TPU the receive buffers (and the
+backward's, for the cotangents going back to the experts) are not zero-filled first (`ops.buffers.fill_buffer`).
 
 Capacity. A receiver holds R rows. `moe_capacity_factor` 0 (the default) is dropless: R is the most one device
 can receive (every source sending it all it could), which only small meshes afford. With a factor cf > 0,
@@ -55,6 +60,7 @@ from glm5_jax.model.token_permutation import inverse_permutation, permute_rows, 
 from glm5_jax.distributed.batch_local import flattens_outside, spec_axes, token_split_spec
 from glm5_jax.distributed.mesh import mesh_axis_size
 from glm5_jax.distributed.logical_axes import expert_split_axes, logical_to_spec
+from glm5_jax.ops.buffers import fill_buffer
 from glm5_jax.ops.grouped_matmul import swiglu_rows
 from glm5_jax.ops.platform import compiled_platform
 
@@ -245,6 +251,28 @@ def _exchange(transport: str, layout: DispatchLayout, axes: tuple[str, ...]):
     return functools.partial(padded_ragged_all_to_all, axis_name=axes, largest_chunk=layout.largest_chunk_blocks)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _exchange_back(exchange, buffer, out, send, back_offsets, dispatch_offsets):
+    """`exchange(out, send, *back_offsets)`: the experts' rows back into the send buffer (a constant to the
+    backward: its rows are dead once sent). The transpose is the dispatch's own exchange (`dispatch_offsets`)
+    of the cotangent into `buffer(after)` (`fill_buffer`: on TPU not zero-filled, where only received rows are read),
+    which is what jax's transpose of the collective computes, without its zero fill."""
+    return exchange(out, send, *back_offsets)
+
+
+def _exchange_back_fwd(exchange, buffer, out, send, back_offsets, dispatch_offsets):
+    return exchange(out, send, *back_offsets), dispatch_offsets
+
+
+def _exchange_back_bwd(exchange, buffer, dispatch_offsets, d_back):
+    # Made after the offsets, not the sizes the dispatch's own buffer waits for: XLA merges two Mosaic calls with
+    # the same operand into one buffer, then copies it for the second collective.
+    return exchange(d_back, buffer(dispatch_offsets[2]), *dispatch_offsets), None, None, None
+
+
+_exchange_back.defvjp(_exchange_back_fwd, _exchange_back_bwd)
+
+
 def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                               layout: DispatchLayout, exchange, platform: str,
                               axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
@@ -288,9 +316,14 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         everyone = jax.lax.all_gather(blocks, axes)  # [source, receiver]
         accepted, offsets = receive_plan(everyone, layout.receive_blocks)
         mine = accepted[me]
+        # With one expert per device no row past the received ones is read (`_run_local_experts`): on TPU the
+        # receive buffers are then not zero-filled first.
+        buffer = fill_buffer if local == 1 else lambda shape, dtype, *_: jnp.zeros(shape, dtype)  # noqa: E731
+        receive_buffer = lambda shape, dtype: lambda after: buffer(  # noqa: E731  shape: a block's
+            (layout.receive_blocks, *shape), dtype, after, platform)
+        dispatch_offsets = (block_starts, mine, offsets[me], accepted[:, me])
         receive = lambda rows: as_rows(exchange(  # noqa: E731
-            as_blocks(rows), as_blocks(jnp.zeros((layout.receive_rows, *rows.shape[1:]), rows.dtype)),
-            block_starts, mine, offsets[me], accepted[:, me]))
+            as_blocks(rows), receive_buffer(as_blocks(rows).shape[1:], rows.dtype)(mine), *dispatch_offsets))
         recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)  # [source, E_local]
         out = _run_local_experts(experts, receive(send), receive(send_weights),
                                  _row_experts(recv_counts, accepted[:, me], layout), layout, platform)
@@ -298,11 +331,15 @@ def _dispatch_compute_combine(experts: dict, x: jax.Array, expert_ids: jax.Array
         # The rows come back into the send buffer itself, dead once sent (XLA updates it in place instead of
         # filling a zero buffer): rows nothing returns (assignments dropped here, padding) keep a token's row,
         # which the kept mask zeroes below. A constant to the backward (its cotangent is never needed).
-        back = as_rows(exchange(as_blocks(out), as_blocks(jax.lax.stop_gradient(send)), offsets[:, me],
-                                accepted[:, me], source_starts, mine))
+        blocked_out = as_blocks(out)
+        back = as_rows(_exchange_back(exchange, receive_buffer(blocked_out.shape[1:], out.dtype), blocked_out,
+                                      as_blocks(jax.lax.stop_gradient(send)),
+                                      (offsets[:, me], accepted[:, me], source_starts, mine), dispatch_offsets))
     kept_rows = jnp.minimum(sent, g * mine)  # [ep] of each chunk, its rows that fit
     kept = (rank < kept_rows[chunk])[inverse]
-    combined = permute_rows(back, slot, fill)  # assignment order, already weighted
+    # Assignment order, already weighted. Rows no assignment fills get some assignment's (finite) gradient: they
+    # weigh 0 at their expert, so it reaches nothing (no select pass over the buffer in the backward).
+    combined = permute_rows(back, slot, fill, zero_unread=False)
     # A [rows, 1] factor (a `where` would keep a [rows, D] mask for the backward).
     routed = (combined * kept.astype(x.dtype)[:, None]).reshape(t, top_k, -1).sum(1)
     dropped = (layout.assignments - kept_rows.sum()).astype(jnp.int32)

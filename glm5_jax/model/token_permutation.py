@@ -13,6 +13,8 @@ TB of HBM traffic, benchmarks/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,19 +25,21 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, zero_unread: bool = True) -> jax.Array:
     """x[order] for a permutation `order` with inverse `inverse`; the gradient is g[inverse]. x may have more rows
-    than `order` reads (a buffer padded with rows nothing reads): `inverse` marks those -1, their gradient zero."""
+    than `order` reads (a buffer padded with rows nothing reads): `inverse` marks those -1, their gradient zero, or
+    with `zero_unread` False some read row's gradient (no select pass over the buffer), for a caller whose rows
+    nothing reads contribute nothing whatever their finite gradient."""
     return x[order]
 
 
-def _permute_fwd(x, order, inverse):
+def _permute_fwd(x, order, inverse, zero_unread):
     return x[order], inverse
 
 
-def _permute_bwd(inverse, g):
-    return _rows_or_zero(g, inverse), None, None
+def _permute_bwd(zero_unread, inverse, g):
+    return (_rows_or_zero(g, inverse) if zero_unread else g[jnp.maximum(inverse, 0)]), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)

@@ -9,8 +9,10 @@ One function per operation; the model calls only these, never a kernel:
   (`selected_scores_grad.py`; a Mosaic kernel on TPU only, the jnp path elsewhere);
 - `grouped_matmul`: the routed experts' grouped matmul (`grouped_matmul.py`);
 - `causal_attention` (and `causal_attention_with_target`): every head over every visible key in the expanded form,
-  where DSA's selection is the causal mask itself (T <= index_topk, the dense warm-up): jax's flash attention
-  kernels (Mosaic on TPU, Triton on GPU; `causal_attention.py`), in place of the sparse MLA kernel over every row.
+  where DSA's selection is the causal mask itself (T <= index_topk, the dense warm-up): flash attention kernels
+  (the project's Mosaic ones on TPU, jax's Triton ones on GPU; `causal_attention.py`), in place of the sparse MLA
+  kernel over every row;
+- `fill_buffer`: a buffer a collective fills, not zero-filled first on TPU (`buffers.py`).
 Config `attention_backend: pallas` selects the Pallas kernels (Mosaic on TPU, Triton on GPU, interpreted on CPU;
 `ops.platform.uses_kernels`); every other backend runs the jnp path, which is also the kernels' reference
 (`pallas_kernels.sparse_latent`, `pallas_kernels.chunked_topk`; memory bounded by query blocks). Kernels run

@@ -7,6 +7,8 @@ padding included, which gives zero rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,3 +144,42 @@ def test_rows_past_the_last_filled_one_reach_no_filled_row(layout, cpu_grouped_m
     out = _run_local_experts(_experts(3), garbage, weights, expert, layout, "tpu")
     want = _sorted_path(_experts(3), recv, weights, expert)
     np.testing.assert_allclose(np.asarray(out)[~empty], np.asarray(want)[~empty], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # ~15 s of TPU interpret mode
+def test_undefined_rows_past_the_received_ones_reach_nothing(monkeypatch):
+    """On TPU the receive buffers are not zero-filled first (`ops.buffers.fill_buffer`): rows past the received
+    ones hold whatever memory held. With NaN there (rows and routing weights), the one-expert kernels (TPU
+    interpret mode) give the filled rows the values and gradients of the sorted path on clean buffers."""
+    from glm5_jax.model import experts as experts_module
+    from pallas_kernels.grouped_matmul import grouped_matmul as kernels
+
+    def interpreted(x, w, sizes, platform, zero_outside, vmem_limit):
+        return kernels(x, w, sizes, platform="tpu", interpret=True, zero_outside=zero_outside,
+                       vmem_limit=vmem_limit)
+
+    monkeypatch.setattr(experts_module, "grouped_matmul", interpreted)
+    layout = dataclasses.replace(BLOCKED, kernel_vmem=32 * 2**20)
+    recv, expert = _received(3, layout)
+    weights = _weights(expert, 3)
+    filled = np.asarray(expert) < 1
+    past_last = jnp.asarray(np.arange(filled.size) > np.flatnonzero(filled).max())
+    nan_recv = jnp.where(past_last[:, None], jnp.nan, recv)
+    nan_weights = jnp.where(past_last, jnp.nan, weights)
+    experts = _experts(3)
+    probe = jnp.where(jnp.asarray(filled)[:, None], jnp.cos(jnp.arange(recv.size, dtype=jnp.float32)).reshape(
+        recv.shape), 0.0)  # the exchange sends back only received rows: the rest get no cotangent
+
+    def grads(fn, r, w):
+        return jax.value_and_grad(lambda e, r, w: (jnp.where(probe != 0, fn(e, r, w), 0.0) * probe).sum(),
+                                  argnums=(0, 1, 2))(experts, r, w)
+
+    value, (d_experts, d_recv, d_weights) = grads(
+        lambda e, r, w: _run_local_experts(e, r, w, expert, layout, "tpu"), nan_recv, nan_weights)
+    ref_value, (ref_experts, ref_recv, ref_weights) = grads(
+        lambda e, r, w: _sorted_path(e, r, w, expert), recv, weights)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(d_recv)[filled], np.asarray(ref_recv)[filled], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(d_weights)[filled], np.asarray(ref_weights)[filled], rtol=1e-5, atol=1e-5)
+    for name in experts:
+        np.testing.assert_allclose(d_experts[name], ref_experts[name], rtol=1e-5, atol=1e-5, err_msg=name)

@@ -16,6 +16,7 @@ receives)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,9 @@ def test_moe_layer_step_does_the_model_flops_and_gathers_no_expert_weight(topolo
     assert stats.collective_counts.get("ragged-all-to-all", 0) >= 2, stats.collective_counts
     if layout.row_block > 1:
         moved = result_shapes(text, "ragged-all-to-all")
-        assert moved and all(s[1:] == (layout.row_block, d) for s in moved), moved
+        rows = [s for s in moved if s[-1] == d]  # the tokens' rows; the others carry each row's routing weight
+        assert rows and all(s[1:] == (layout.row_block, d) for s in rows), moved
+        assert all(math.prod(s) * 16 <= math.prod(rows[0]) for s in moved if s[-1] != d), moved
         relayouts = [s for op in ("copy", "reshape") for s in result_shapes(text, op) if s[-2:] == (2, d // 2)]
         assert not relayouts, f"buffers copied into one row per tile: {relayouts}"
     # Tokens are sorted to their experts and back by permutations whose gradients are gathers

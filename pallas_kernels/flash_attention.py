@@ -6,7 +6,8 @@ For DSA layers whose top-k selects every visible key (T <= N: the selection is t
 dense warm-up's attention. The sparse MLA kernels would gather every visible latent row per query there, O(S x T)
 row reads, where flash attention streams key blocks past query blocks (one layer's sparse stage at S = T = 2048
 on v6e, forward and backward: 26.5 GB and 16.2 ms by roofline with the sparse kernels, 8.3 GB and 5.1 ms with
-this, the top-k and the dense KL target; benchmarks/tpu_kernels_aot.py).
+jax's flash kernels, the top-k and the latent-row KL target, before the kernels and the target here;
+benchmarks/tpu_kernels_aot.py).
 
 q [B, S, H, K] and k [B, S, H, K] (K = nope + rope), v [B, S, H, P], segment_ids [B, S]: query s sees key t iff
 t <= s and both carry the same segment id. Head dims are zero-padded to one multiple of 128 (the kernels' lane

@@ -39,9 +39,9 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
 
 
-def _visible(rows_block: int, cols_block: int, block: int, row_is_key: bool, row_seg, col_seg):
-    """[block, block] visibility of a tile whose rows are block `rows_block` and columns block `cols_block` of the
-    sequence (keys-major when `row_is_key`)."""
+def _visible(rows_block, cols_block, block: int, row_is_key: bool, row_seg, col_seg):
+    """[block, block] visibility of a tile whose rows are block `rows_block` and columns block `cols_block` (grid
+    indices) of the sequence (keys-major when `row_is_key`)."""
     rows = rows_block * block + lax.broadcasted_iota(jnp.int32, (block, block), 0)
     cols = cols_block * block + lax.broadcasted_iota(jnp.int32, (block, block), 1)
     causal = rows <= cols if row_is_key else cols <= rows

@@ -44,6 +44,42 @@ def _shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     return {path_string(path): tuple(leaf.shape) for path, leaf in flat}
 
 
+def _saved_as_heads_first(path: str, saved: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a leaf is an attention o_proj kernel (or an optimizer moment of one) saved [.., H, P, D], as
+    checkpoints before 2026-12-05 hold it, where the model now keeps [.., D, H, P] (`glm5_jax.model.attention`)."""
+    return (path.endswith("o_proj/kernel") and len(target) >= 3 and saved != target
+            and saved == target[:-3] + target[-2:] + target[-3:-2])
+
+
+def _heads_first(leaf):
+    """The abstract target of a leaf as it was saved [.., H, P, D], its sharding's spec permuted alike."""
+    shape = leaf.shape[:-3] + leaf.shape[-2:] + leaf.shape[-3:-2]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+            *spec[:-3], *spec[-2:], spec[-3]))
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
+
+
+def _as_saved(tree, saved: dict[str, tuple[int, ...]]):
+    """`tree`'s abstract targets, with each leaf saved in an earlier layout (`_saved_as_heads_first`) in that."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _heads_first(leaf) if _saved_as_heads_first(
+            path_string(path), saved.get(path_string(path), tuple(leaf.shape)), tuple(leaf.shape)) else leaf,
+        _abstract(tree))
+
+
+def _to_target(restored, target):
+    """Restored leaves laid out as `target` wants them: those saved [.., H, P, D] moved to [.., D, H, P]."""
+    def move(leaf, want):
+        if tuple(leaf.shape) == tuple(want.shape):
+            return leaf
+        sharding = getattr(want, "sharding", None)
+        return jax.jit(lambda x: jnp.moveaxis(x, -1, -3), out_shardings=sharding)(leaf)
+    return jax.tree.map(move, restored, _abstract(target))
+
+
 def _abstract(tree):
     """Shape/dtype/sharding targets for orbax, from concrete or already-abstract arrays."""
     def leaf(x):
@@ -160,29 +196,34 @@ class Checkpointer:
         elif step not in self._manager.all_steps():
             raise CheckpointError(f"step={step} is not in {self.directory}; available steps: {self.all_steps()}")
         self._check_param_shapes(step, params)
-        items = {"params": ocp.args.StandardRestore(_abstract(params)),
+        items = {"params": ocp.args.StandardRestore(_as_saved(params, self._saved_shapes(step, "params"))),
                  "data_state": ocp.args.JsonRestore(), "config": ocp.args.JsonRestore()}
         if opt_state is not None:
-            items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state))
+            items["opt_state"] = ocp.args.StandardRestore(
+                _as_saved(opt_state, self._saved_shapes(step, "opt_state")))
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError, TypeError) as err:
             raise CheckpointError(
                 f"cannot restore step {step} from {self.directory} into the given optimizer state "
                 f"(a different optimizer config?): {err}") from err
-        return RestoredCheckpoint(step=step, params=restored["params"],
-                                  opt_state=restored["opt_state"] if opt_state is not None else None,
+        return RestoredCheckpoint(step=step, params=_to_target(restored["params"], params),
+                                  opt_state=_to_target(restored["opt_state"], opt_state) if opt_state is not None
+                                  else None,
                                   data_state=restored["data_state"]["value"], config=restored["config"]["value"])
 
+    def _saved_shapes(self, step: int, item: str) -> dict[str, tuple[int, ...]]:
+        metadata = self._manager.item_metadata(step)[item]
+        return _shapes_by_path(getattr(metadata, "tree", metadata))
+
     def _check_param_shapes(self, step: int, params) -> None:
-        metadata = self._manager.item_metadata(step)["params"]
-        stored = _shapes_by_path(getattr(metadata, "tree", metadata))
+        stored = self._saved_shapes(step, "params")
         target = _shapes_by_path(params)
         for path, shape in target.items():
             if path not in stored:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} has no parameter '{path}' "
                                       f"(target shape {shape})")
-            if stored[path] != shape:
+            if stored[path] != shape and not _saved_as_heads_first(path, stored[path], shape):
                 raise CheckpointError(f"parameter '{path}' has shape {stored[path]} in checkpoint step {step} "
                                       f"but {shape} in the target model: refusing to restore")
         extra = sorted(set(stored) - set(target))

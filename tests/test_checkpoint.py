@@ -27,7 +27,7 @@ def make_params(seed):
         "embed": {"embedding": normal(V, D)},
         "dense_layers": {"input_norm": {"scale": normal(L, D)},
                          "attn": {"kv_b_proj": {"kernel": normal(L, C, H, NOPE + P)},
-                                  "o_proj": {"kernel": normal(L, H, P, D)}}},
+                                  "o_proj": {"kernel": normal(L, D, H, P)}}},
         "moe_layers": {"moe": {"e_score_correction_bias": normal(L, E)}},
     }
 
@@ -138,8 +138,8 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, params=params, opt_state=opt_state, force=True)
         wrong = make_params(2)
-        wrong["dense_layers"]["attn"]["o_proj"]["kernel"] = jnp.zeros((L, H, P, D + 1))
-        with pytest.raises(CheckpointError, match=r"dense_layers/attn/o_proj/kernel.*\(2, 2, 3, 4\).*\(2, 2, 3, 5\)"):
+        wrong["dense_layers"]["attn"]["o_proj"]["kernel"] = jnp.zeros((L, D, H, P + 1))
+        with pytest.raises(CheckpointError, match=r"dense_layers/attn/o_proj/kernel.*\(2, 4, 2, 3\).*\(2, 4, 2, 4\)"):
             ckpt.restore(wrong)
         missing = make_params(2)
         missing["extra"] = {"scale": jnp.zeros((D,))}

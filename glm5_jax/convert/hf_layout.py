@@ -3,7 +3,7 @@
 Each leaf gets a `LeafRecipe`: its leading stacked axes (layers, and experts for routed-expert weights), the
 HF tensor name of each stacked item, and how one item converts between layouts. HF linear weights are
 [out, in]; ours are [in, out] with the head axis split out (q_b_proj [Q, H, K], kv_b_proj [C, H, nope+V],
-o_proj [H, V, D], wq_b [Q, I, J]). Two HF layouts are read: the released checkpoint layout (one tensor per
+wq_b [Q, I, J]), except o_proj, [out, in] as HF has it with the input split ([D, H, V]). Two HF layouts are read: the released checkpoint layout (one tensor per
 expert, `mlp.experts.{e}.gate_proj.weight`, plus the MTP layer `model.layers.{num_hidden_layers}.*`) and
 transformers' in-memory layout (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
 Export always writes the released layout.
@@ -30,9 +30,10 @@ class ConversionError(ValueError):
 class LeafRecipe:
     """One parameter leaf [*stack, *item_shape] as HF tensors, one per index of the stacked axes.
 
-    kind "id": the HF tensor is the item; "T": the HF tensor [out, in] of shape `hf_shape` is the item
-    transposed (and its `out` axis split, for per-head kernels); "fused_gate" / "fused_up" / "fused_down":
-    one half (or the down projection) of transformers' fused expert tensors of a whole layer.
+    kind "id": the HF tensor of shape `hf_shape` is the item (its last axis split, for o_proj); "T": the HF
+    tensor [out, in] of shape `hf_shape` is the item transposed (and its `out` axis split, for per-head
+    kernels); "fused_gate" / "fused_up" / "fused_down": one half (or the down projection) of transformers'
+    fused expert tensors of a whole layer.
     """
 
     stack: Index
@@ -52,7 +53,7 @@ class LeafRecipe:
 
     def to_ours(self, hf: np.ndarray) -> np.ndarray:
         if self.kind == "id":
-            return hf
+            return hf.reshape(self.item_shape)
         if self.kind == "T":
             return hf.T.reshape(self.item_shape)
         if self.kind == "fused_down":
@@ -62,7 +63,7 @@ class LeafRecipe:
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
         if self.kind == "id":
-            return ours
+            return ours.reshape(self.hf_shape)
         if self.kind == "T":
             return ours.reshape(self.hf_shape[::-1]).T
         raise ConversionError(f"export writes the per-expert layout, not {self.kind!r}")
@@ -92,7 +93,7 @@ def _attention(config: ModelConfig, stack: Index, p: NameFn) -> dict:
         "kv_a_norm": {"scale": _leaf(stack, (c,), _named(p, "kv_a_layernorm.weight"), "id")},
         "kv_b_proj": {"kernel": _leaf(stack, (c, h, kv_out), _named(p, "kv_b_proj.weight"),
                                       hf_shape=(h * kv_out, c))},
-        "o_proj": {"kernel": _leaf(stack, (h, v, d), _named(p, "o_proj.weight"), hf_shape=(d, h * v))},
+        "o_proj": {"kernel": _leaf(stack, (d, h, v), _named(p, "o_proj.weight"), "id", hf_shape=(d, h * v))},
     }
 
 

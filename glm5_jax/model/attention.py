@@ -23,7 +23,7 @@ from flax import nnx
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.kv_cache import LayerCache, write_rows
-from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved
+from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved, apply_rope_to_tail, deinterleave_tail
 from glm5_jax.ops.causal_attention import (causal_attention, causal_attention_with_target, flash_attends,
                                            selects_every_key)
 from glm5_jax.ops.platform import uses_kernels
@@ -48,8 +48,7 @@ class Projection(NamedTuple):
     """One layer's queries and absorbed-form rows (x is the input-normed hidden state [B, S, D])."""
 
     q_resid: jax.Array   # [B, S, Q] the normed query latent (the indexer reads it too)
-    q_nope: jax.Array    # [B, S, H, K']
-    q_rope: jax.Array    # [B, S, H, R] roped
+    queries: jax.Array   # [B, S, H, K'+R] [q_nope ; q_rope roped]
     rows: jax.Array      # [B, S, C+R] the absorbed-form cache rows [c ; k_rope]: 576 values per token for GLM-5
 
 
@@ -69,19 +68,24 @@ class MLA(nnx.Module):
         # The last dim is [W_UK (nope) ; W_UV (values)]: Muon Split orthogonalises the two parts separately.
         self.kv_b_proj = Linear((c, h, config.qk_nope_head_dim + config.v_head_dim), ("kv_lora", "heads", "head_dim"),
                                 rngs, std, dtype)
-        self.o_proj = Linear((h, config.v_head_dim, d), ("heads", "head_dim", "embed"), rngs, std, dtype)
+        # [D, H, P], the output first as Hugging Face stores it: the matmul's weight gradient comes out in this
+        # layout, where XLA:TPU relaid out an [H, P, D] one in every layer (GLM-5 on v6e-256: 30 GB of HBM traffic
+        # per chip and step; benchmarks/BENCHMARKS.md).
+        self.o_proj = Linear((d, h, config.v_head_dim), ("embed", "heads", "head_dim"), rngs, std, dtype)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> Projection:
         """Queries and the latent cache rows of one layer (x is the input-normed hidden state [B, S, D])."""
         config = self.config
         q_resid = self.q_a_norm.rms_norm(self.q_a_proj(x), LATENT_NORM_EPS)
-        q = jnp.einsum("BSQ,QHK->BSHK", q_resid, self.q_b_proj.weight(x.dtype))
-        q_nope, q_rope = q[..., : config.qk_nope_head_dim], q[..., config.qk_nope_head_dim:]
+        # The rope columns are de-interleaved on the (FSDP-sharded) weight, so the queries come out of the matmul
+        # in the rotation's layout and are roped whole: no [B, S, H, R] slice of them is written on its own,
+        # which a TPU tile pads from R = 64 to 128 lanes (GLM-5 on v6e-256: benchmarks/BENCHMARKS.md).
+        w_q = deinterleave_tail(self.q_b_proj.weight(x.dtype), config.qk_rope_head_dim)
+        queries = apply_rope_to_tail(jnp.einsum("BSQ,QHK->BSHK", q_resid, w_q), cos, sin, config.qk_rope_head_dim)
         ckv = self.kv_a_proj(x)
         latent = self.kv_a_norm.rms_norm(ckv[..., : config.kv_lora_rank], LATENT_NORM_EPS)
         k_rope = apply_rope_interleaved(ckv[..., config.kv_lora_rank:], cos, sin)
-        return Projection(q_resid, q_nope, apply_rope_interleaved(q_rope, cos, sin),
-                          jnp.concatenate([latent, k_rope], axis=-1))
+        return Projection(q_resid, queries, jnp.concatenate([latent, k_rope], axis=-1))
 
     def _split_kv_b(self, dtype) -> tuple[jax.Array, jax.Array]:
         kv_b = self.kv_b_proj.weight(dtype)
@@ -90,22 +94,21 @@ class MLA(nnx.Module):
 
     def output_projection(self, heads_out: jax.Array) -> jax.Array:
         """[B, S, H, P] -> [B, S, D]."""
-        return jnp.einsum("BSHP,HPD->BSD", heads_out, self.o_proj.weight(heads_out.dtype))
+        return jnp.einsum("BSHP,DHP->BSD", heads_out, self.o_proj.weight(heads_out.dtype))
 
     def expanded_inputs(self, proj: Projection) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The expanded form's per-head queries [B, S, H, K'+R], keys [B, T, H, K'+R] and values [B, T, H, P]:
         the latent expanded through kv_b_proj, the rope key broadcast to every head."""
-        w_uk, w_uv = self._split_kv_b(proj.q_nope.dtype)
+        w_uk, w_uv = self._split_kv_b(proj.queries.dtype)
         latent = proj.rows[..., : self.config.kv_lora_rank]
         k_rope = proj.rows[..., self.config.kv_lora_rank:]
         k_nope = jnp.einsum("BTC,CHK->BTHK", latent, w_uk)
         values = jnp.einsum("BTC,CHP->BTHP", latent, w_uv)
         # One contraction over [nope ; rope] (the rope key broadcast to every head): a single matmul instead of
         # two plus an add of [B, H, S, T] tensors.
-        queries = jnp.concatenate([proj.q_nope, proj.q_rope], axis=-1)
         keys = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        return queries, keys, values
+        return proj.queries, keys, values
 
     def expanded_attention(self, proj: Projection, allowed: jax.Array, return_probs: bool = False):
         """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
@@ -115,9 +118,10 @@ class MLA(nnx.Module):
 
     def absorbed_queries(self, proj: Projection) -> jax.Array:
         """Queries in latent space [B, S, H, C + R]: q_nope folded through W_UK, rope part unchanged."""
-        w_uk, _ = self._split_kv_b(proj.q_nope.dtype)
-        q_latent = jnp.einsum("BSHK,CHK->BSHC", proj.q_nope, w_uk)
-        return jnp.concatenate([q_latent, proj.q_rope], axis=-1)
+        nope = self.config.qk_nope_head_dim
+        w_uk, _ = self._split_kv_b(proj.queries.dtype)
+        q_latent = jnp.einsum("BSHK,CHK->BSHC", proj.queries[..., :nope], w_uk)
+        return jnp.concatenate([q_latent, proj.queries[..., nope:]], axis=-1)
 
     def latent_to_heads(self, latent_out: jax.Array) -> jax.Array:
         """[B, S, H, C] latent attention output -> per-head values [B, S, H, P] through W_UV."""
@@ -128,7 +132,7 @@ class MLA(nnx.Module):
                q_offset: int | jax.Array = 0, mesh=None) -> jax.Array:
         """Attention over the selected keys with the configured backend; returns [B, S, D]."""
         config = self.config
-        batch, num_queries = proj.q_nope.shape[:2]
+        batch, num_queries = proj.queries.shape[:2]
         num_keys = proj.rows.shape[1]
         if self.selection_is_causal_mask(num_queries, num_keys, mesh) and isinstance(q_offset, int) \
                 and q_offset == 0 and q_segment_ids is k_segment_ids:

@@ -67,6 +67,30 @@ def _deinterleave(x: jax.Array) -> jax.Array:
     return jnp.einsum("...R,RQ->...Q", x, jnp.asarray(permutation, x.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
+def deinterleave_tail(kernel: jax.Array, rope_dim: int) -> jax.Array:
+    """`kernel` with the last `rope_dim` entries of its output axis de-interleaved (`_deinterleave`): a matmul by
+    it writes its rope dims already in `apply_rope_interleaved`'s output layout, for `apply_rope_to_tail`."""
+    return jnp.concatenate([kernel[..., :-rope_dim], _deinterleave(kernel[..., -rope_dim:])], axis=-1)
+
+
+def apply_rope_to_tail(x: jax.Array, cos: jax.Array, sin: jax.Array, rope_dim: int) -> jax.Array:
+    """x [B, S, ..., K] with its last `rope_dim` entries rotated as `apply_rope_interleaved` rotates them, where
+    they are already de-interleaved (`deinterleave_tail` on the weight that made x).
+
+    Written over the whole of K, x * c + swapped(x) * s with c = [1.. ; cos ; cos] and s = [0.. ; -sin ; sin]
+    (the same products as the rotation): XLA:TPU computes it in the one fusion that writes x's consumer, where a
+    concatenation of [nope ; rotated rope] wrote the rotated halves out on their own, each padded to a 128-lane
+    tile, and their gradients in fp32."""
+    nope, half = x.shape[-1] - rope_dim, rope_dim // 2
+    extra = x.ndim - cos.ndim
+    expand = lambda a: a.reshape(a.shape[:2] + (1,) * extra + a.shape[2:])  # noqa: E731  (over the middle axes)
+    ones = jnp.ones(cos.shape[:-1] + (nope,), jnp.float32)
+    c = expand(jnp.concatenate([ones, cos, cos], axis=-1))
+    s = expand(jnp.concatenate([ones * 0, -sin, sin], axis=-1))
+    swapped = jnp.concatenate([x[..., :nope], x[..., nope + half:], x[..., nope:nope + half]], axis=-1)
+    return (x.astype(jnp.float32) * c + swapped.astype(jnp.float32) * s).astype(x.dtype)
+
+
 def apply_rope_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate pairs (x_i, x_{i+R/2}) (the DeepSeek-V3.2 indexer layout)."""
     extra = x.ndim - cos.ndim
@@ -102,7 +126,8 @@ class Scale(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """A projection "kernel" of any shape; its first dim is the input (the einsum that reads it names the rest).
+    """A projection "kernel" of any shape; its first dim is the input (the einsum that reads it names the rest),
+    except in MLA's o_proj [D, H, P] (`glm5_jax.train.optim` knows it).
     Called, a [D_in, D_out] kernel projects x [..., D_in] in x's dtype."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], rngs: nnx.Rngs, std: float, dtype):

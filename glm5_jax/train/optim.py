@@ -23,7 +23,7 @@ matrices, their layers spread over the devices (no Gram-matrix all-reduce). Matr
   q_b_proj  [L, Q, H, K]       split: one [Q, K] per (layer, head);   else one [Q, (H K)] per layer
   kv_b_proj [L, C, H, nope+P]  split: W_UK [C, nope] and W_UV [C, P] per (layer, head), cut at the config's
                                qk_nope_head_dim; else [C, (H (nope+P))]
-  o_proj    [L, H, P, D]       one [(H P), D] per layer
+  o_proj    [L, D, H, P]       one [(H P), D] per layer
   other     [.., in, out...]   the first non-batch axis is the input, the rest the output
 """
 
@@ -104,8 +104,8 @@ def _muon_dimension_numbers(names: tuple[str, ...], ndim: int, split: bool,
         return MuonDimensionNumbers(reduction_axis=ndim - 3, output_axis=ndim - 1)
     info = param_info(names, config)
     core = tuple(range(info.stacked_axes, ndim))
-    if info.axes[core[0]] == "heads":  # o_proj [.., H, P, D]: the heads' outputs are one input
-        return MuonDimensionNumbers(reduction_axis=core[:-1], output_axis=core[-1:])
+    if info.axes[core[0]] == "embed" and "heads" in info.axes:  # o_proj [.., D, H, P]: the heads' outputs, one input
+        return MuonDimensionNumbers(reduction_axis=core[1:], output_axis=core[:1])
     if split and "heads" in info.axes:  # q_b_proj / kv_b_proj [.., in, H, out]: one matrix per head
         return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[-1])
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1:])

@@ -63,7 +63,7 @@ def test_glm5_parameter_specs(glm5_params):
     assert moe["moe"]["shared_experts"]["gate_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor")
     assert attn["q_b_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
     assert attn["kv_b_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
-    assert attn["o_proj"]["kernel"] == P(None, "tensor", None, ("fsdp", "expert"))
+    assert attn["o_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
     assert specs["embed"]["embedding"] == P("tensor", ("fsdp", "expert"))
     assert specs["lm_head"]["kernel"] == P(("fsdp", "expert"), "tensor")
     assert specs["indexers"]["wq_b"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
@@ -133,9 +133,9 @@ def test_unknown_parameter_path_shape_mismatch_and_a_config_of_another_type_are_
 def test_logical_axes_come_from_the_modules():
     """The stacked layer axis is the one `nnx.vmap` adds; the router bias is the one non-Param weight."""
     info = lambda *names: param_info(names, GLM5_744B)  # noqa: E731
-    assert info("moe_layers", "attn", "o_proj", "kernel").axes == ("layers", "heads", "head_dim", "embed")
-    assert info("moe_layers", "attn", "o_proj", "kernel").shape == (75, 64, 256, 6144)
-    assert info("mtp", "layer", "attn", "o_proj", "kernel").axes == ("heads", "head_dim", "embed")
+    assert info("moe_layers", "attn", "o_proj", "kernel").axes == ("layers", "embed", "heads", "head_dim")
+    assert info("moe_layers", "attn", "o_proj", "kernel").shape == (75, 6144, 64, 256)
+    assert info("mtp", "layer", "attn", "o_proj", "kernel").axes == ("embed", "heads", "head_dim")
     bias = info("moe_layers", "moe", "e_score_correction_bias")
     assert bias.router_bias and bias.axes == ("layers", "router_experts")
     assert info("indexers", "wk", "kernel").in_indexer
@@ -147,7 +147,7 @@ def test_the_metadata_is_that_of_the_config_given():
     """A model without dense layers or MTP has no such weights, and each weight has that model's shape."""
     moe_only = dataclasses.replace(GLM5_744B, num_hidden_layers=4, first_k_dense_replace=0,
                                    num_nextn_predict_layers=0, mtp_num_steps=0)
-    assert param_info(("moe_layers", "attn", "o_proj", "kernel"), moe_only).shape == (4, 64, 256, 6144)
+    assert param_info(("moe_layers", "attn", "o_proj", "kernel"), moe_only).shape == (4, 6144, 64, 256)
     for names in (("dense_layers", "input_norm", "scale"), ("mtp", "enorm", "scale")):
         with pytest.raises(ParamMetadataError, match="is not a weight of the GLM5 model of this config"):
             param_info(names, moe_only)

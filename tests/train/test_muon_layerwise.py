@@ -17,14 +17,14 @@ def _tree(key):
     return {
         "moe_layers": {"experts": jax.random.normal(k1, (3, 4, 16, 8))},   # [L, E, in, out]
         "mtp": {"kernel": jax.random.normal(k2, (12, 6))},                 # no layer axis
-        "dense_layers": {"o_proj": jax.random.normal(k3, (2, 4, 5, 16))},  # [L, H, P, D]
+        "dense_layers": {"o_proj": jax.random.normal(k3, (2, 16, 4, 5))},  # [L, D, H, P]
     }
 
 
 _DIMS = {
     "moe_layers": {"experts": MuonDimensionNumbers(reduction_axis=2, output_axis=3)},
     "mtp": {"kernel": MuonDimensionNumbers(reduction_axis=0, output_axis=1)},
-    "dense_layers": {"o_proj": MuonDimensionNumbers(reduction_axis=(1, 2), output_axis=3)},
+    "dense_layers": {"o_proj": MuonDimensionNumbers(reduction_axis=(2, 3), output_axis=1)},
 }
 _STACKED = {"moe_layers": {"experts": True}, "mtp": {"kernel": False}, "dense_layers": {"o_proj": True}}
 

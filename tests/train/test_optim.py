@@ -105,8 +105,8 @@ def test_muon_split_orthogonalises_each_head_block(split_updates, grads):
 def test_muon_batches_layers_experts_and_flattens_o_proj(split_updates, grads):
     g, u = grads["moe_layers"], split_updates["moe_layers"]
     for layer in range(L):
-        o_grad = np.asarray(g["attn"]["o_proj"]["kernel"][layer]).reshape(H * P, D)
-        np.testing.assert_allclose(u["attn"]["o_proj"]["kernel"][layer].reshape(H * P, D), muon_update(o_grad),
+        o_grad = np.asarray(g["attn"]["o_proj"]["kernel"][layer]).reshape(D, H * P).T  # [D, H, P]: one [(H P), D]
+        np.testing.assert_allclose(u["attn"]["o_proj"]["kernel"][layer].reshape(D, H * P).T, muon_update(o_grad),
                                    rtol=2e-4, atol=1e-6)
         for expert in range(E):
             np.testing.assert_allclose(u["moe"]["experts"]["down_proj"][layer, expert],

@@ -15,7 +15,7 @@ from glm5_jax.config.experiment import experiment_from_dict
 from glm5_jax.model.transformer import init
 from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.tensorboard import read_scalars
-from fixtures.run_before_issue28.make_fixture import leaf_digests, this_cpu
+from fixtures.run_before_issue28.make_fixture import leaf_digests
 from xla_env import cpu_code_flags
 
 MODEL = dict(vocab_size=288, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -69,12 +69,14 @@ FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_before_issue28"
 
 
 @pytest.mark.slow
-def test_a_run_written_before_the_refactor_resumes_bit_exactly(tmp_path, monkeypatch):
+def test_a_run_written_before_the_refactor_resumes(tmp_path, monkeypatch):
     """A 2-step Muon run (with MTP) written by d073238, the code before issue 28's refactor, resumes under this
-    code to the losses and step-4 parameters, bit for bit, that d073238 computes from it on one of the CPUs
-    `expected.json` records (XLA:CPU's bits depend on the host's vector instructions; `make_fixture.py` there
-    says how each outcome was made, under this suite's XLA flags, and how to add this machine's). Checks the
-    checkpoint format, the data position, and that the step's arithmetic is unchanged."""
+    code: its checkpoint format (o_proj kernels and their momenta saved [L, H, P, D], restored [L, D, H, P]), its
+    data position, and the losses of steps 3-4 that d073238 computes from it (`expected.json`; the same on every
+    CPU recorded there). Until 2026-12-05 the step-4 parameters matched d073238's bit for bit as well; keeping
+    o_proj [D, H, P] and q_b_proj's rope columns de-interleaved on the weight (HBM traffic on TPU,
+    benchmarks/BENCHMARKS.md) reorders the sums of two contractions, so their bits can no longer match: the
+    losses are held to float32 rounding instead."""
     spec = json.loads((FIXTURE / "experiment.json").read_text())
     expected = json.loads((FIXTURE / "expected.json").read_text())
     assert cpu_code_flags() == expected["xla_flags"], (
@@ -83,15 +85,14 @@ def test_a_run_written_before_the_refactor_resumes_bit_exactly(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # the experiment's paths are relative
     summary = run(experiment_from_dict(spec), log=lambda _: None)
     assert summary["resumed_from"] == 2
+    losses = _losses(tmp_path / "run")
+    assert losses[:2] == expected["outcomes"][0]["losses"][:2]  # the stored run's own steps, read back
+    for outcome in expected["outcomes"]:
+        np.testing.assert_allclose(losses, outcome["losses"], rtol=1e-6, err_msg=outcome["cpu"])
     like = init(ModelConfig(**spec["model"]), jax.random.key(0))
-    got = {"losses": _losses(tmp_path / "run"), "params_sha256": leaf_digests(_params(tmp_path / "run", like))}
-    recorded = [{key: outcome[key] for key in got} for outcome in expected["outcomes"]]
-    closest = min(recorded, key=lambda want: sum(got["params_sha256"][k] != v
-                                                 for k, v in want["params_sha256"].items()))
-    assert got in recorded, (
-        f"not one of the {len(recorded)} recorded outcomes (CPUs: {[o['cpu'] for o in expected['outcomes']]}; "
-        f"this one: {this_cpu()}); closest differs in losses {got['losses'] != closest['losses']}, leaves "
-        f"{[k for k, v in closest['params_sha256'].items() if got['params_sha256'].get(k) != v][:5]}")
+    params = _params(tmp_path / "run", like)
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
+    assert set(leaf_digests(params)) == set(expected["outcomes"][0]["params_sha256"])  # every leaf, as saved
 
 
 @pytest.mark.slow

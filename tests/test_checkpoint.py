@@ -11,6 +11,7 @@ import pytest
 from glm5_jax.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 from glm5_jax.config import ModelConfig
 from glm5_jax.train.optim import OptimConfig, make_optimizer
+from glm5_jax.tree_paths import path_string
 
 V, D, C, H, NOPE, P, L, E = 8, 4, 6, 2, 2, 3, 2, 3
 # The model whose weights `make_params` holds part of (the optimizer reads each weight's metadata off it).
@@ -90,6 +91,26 @@ def test_restore_into_abstract_targets_with_shardings(tmp_path):
     assert_trees_equal(restored.params, params)
     assert all(x.sharding == sharding for x in jax.tree.leaves(restored.params))
     assert restored.data_state is None and restored.config is None
+
+
+def test_o_proj_saved_heads_first_is_restored_output_first(tmp_path):
+    """Checkpoints before 2026-12-05 hold o_proj (and its Muon momentum) as [L, H, P, D]; the model keeps
+    [L, D, H, P]: restored by moving the axes, value for value, into the target's sharding."""
+    params, opt_state = make_state(4)
+    heads_first = lambda x: jnp.moveaxis(x, -3, -1)  # noqa: E731  ([L, D, H, P] -> [L, H, P, D])
+    is_o_proj = lambda path: path_string(path).endswith("o_proj/kernel")  # noqa: E731
+    old = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: heads_first(x) if is_o_proj(path) else x, tree)
+    assert old(params)["dense_layers"]["attn"]["o_proj"]["kernel"].shape == (L, H, P, D)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, params=old(params), opt_state=old(opt_state), force=True)
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        restored = ckpt.restore(abstract(params), abstract(opt_state))
+    assert_trees_equal(restored.params, params)
+    assert_trees_equal(restored.opt_state, opt_state)
+    assert restored.params["dense_layers"]["attn"]["o_proj"]["kernel"].sharding == sharding
 
 
 def test_exception_mid_save_leaves_previous_checkpoint_restorable(tmp_path, monkeypatch):

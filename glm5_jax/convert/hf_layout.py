@@ -3,9 +3,10 @@
 Each leaf gets a `LeafRecipe`: its leading stacked axes (layers, and experts for routed-expert weights), the
 HF tensor name of each stacked item, and how one item converts between layouts. HF linear weights are
 [out, in]; ours are [in, out] with the head axis split out (q_b_proj [Q, H, K], kv_b_proj [C, H, nope+V],
-wq_b [Q, I, J]), except o_proj, [out, in] as HF has it with the input split ([D, H, V]). Two HF layouts are read: the released checkpoint layout (one tensor per
-expert, `mlp.experts.{e}.gate_proj.weight`, plus the MTP layer `model.layers.{num_hidden_layers}.*`) and
-transformers' in-memory layout (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
+wq_b [Q, I, J]), except o_proj, [out, in] as HF has it with the input split ([D, H, V]). Two HF layouts are
+read: the released checkpoint layout (one tensor per expert, `mlp.experts.{e}.gate_proj.weight`, plus the MTP
+layer `model.layers.{num_hidden_layers}.*`) and transformers' in-memory layout (`mlp.experts.gate_up_proj`
+[E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
 Export always writes the released layout.
 """
 

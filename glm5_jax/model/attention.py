@@ -23,7 +23,8 @@ from flax import nnx
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.context_local import context_local
 from glm5_jax.model.kv_cache import LayerCache, write_rows
-from glm5_jax.model.layers import Linear, Scale, apply_rope_interleaved, apply_rope_to_tail, deinterleave_tail
+from glm5_jax.model.layers import (Linear, Scale, apply_rope_half_split, apply_rope_interleaved, apply_rope_to_tail,
+                                    deinterleave_tail)
 from glm5_jax.ops.causal_attention import (causal_attention, causal_attention_with_target, flash_attends,
                                            selects_every_key)
 from glm5_jax.ops.platform import uses_kernels
@@ -48,7 +49,9 @@ class Projection(NamedTuple):
     """One layer's queries and absorbed-form rows (x is the input-normed hidden state [B, S, D])."""
 
     q_resid: jax.Array   # [B, S, Q] the normed query latent (the indexer reads it too)
-    queries: jax.Array   # [B, S, H, K'+R] [q_nope ; q_rope roped]
+    q: jax.Array         # [B, S, H, K'+R] [q_nope ; q_rope] not yet rotated, its rope dims de-interleaved
+    cos: jax.Array       # [B, S, R/2] the queries' rotation
+    sin: jax.Array
     rows: jax.Array      # [B, S, C+R] the absorbed-form cache rows [c ; k_rope]: 576 values per token for GLM-5
 
 
@@ -78,14 +81,15 @@ class MLA(nnx.Module):
         config = self.config
         q_resid = self.q_a_norm.rms_norm(self.q_a_proj(x), LATENT_NORM_EPS)
         # The rope columns are de-interleaved on the (FSDP-sharded) weight, so the queries come out of the matmul
-        # in the rotation's layout and are roped whole: no [B, S, H, R] slice of them is written on its own,
-        # which a TPU tile pads from R = 64 to 128 lanes (GLM-5 on v6e-256: benchmarks/BENCHMARKS.md).
-        w_q = deinterleave_tail(self.q_b_proj.weight(x.dtype), config.qk_rope_head_dim)
-        queries = apply_rope_to_tail(jnp.einsum("BSQ,QHK->BSHK", q_resid, w_q), cos, sin, config.qk_rope_head_dim)
+        # in the rotation's layout: each form rotates them where it reads them (the expanded form whole, no
+        # [B, S, H, R] slice written on its own, which a TPU tile pads from R = 64 to 128 lanes; GLM-5 on v6e-256:
+        # benchmarks/BENCHMARKS.md).
+        q = jnp.einsum("BSQ,QHK->BSHK", q_resid, deinterleave_tail(self.q_b_proj.weight(x.dtype),
+                                                                  config.qk_rope_head_dim))
         ckv = self.kv_a_proj(x)
         latent = self.kv_a_norm.rms_norm(ckv[..., : config.kv_lora_rank], LATENT_NORM_EPS)
         k_rope = apply_rope_interleaved(ckv[..., config.kv_lora_rank:], cos, sin)
-        return Projection(q_resid, queries, jnp.concatenate([latent, k_rope], axis=-1))
+        return Projection(q_resid, q, cos, sin, jnp.concatenate([latent, k_rope], axis=-1))
 
     def _split_kv_b(self, dtype) -> tuple[jax.Array, jax.Array]:
         kv_b = self.kv_b_proj.weight(dtype)
@@ -99,7 +103,7 @@ class MLA(nnx.Module):
     def expanded_inputs(self, proj: Projection) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The expanded form's per-head queries [B, S, H, K'+R], keys [B, T, H, K'+R] and values [B, T, H, P]:
         the latent expanded through kv_b_proj, the rope key broadcast to every head."""
-        w_uk, w_uv = self._split_kv_b(proj.queries.dtype)
+        w_uk, w_uv = self._split_kv_b(proj.q.dtype)
         latent = proj.rows[..., : self.config.kv_lora_rank]
         k_rope = proj.rows[..., self.config.kv_lora_rank:]
         k_nope = jnp.einsum("BTC,CHK->BTHK", latent, w_uk)
@@ -108,7 +112,7 @@ class MLA(nnx.Module):
         # two plus an add of [B, H, S, T] tensors.
         keys = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1)
-        return proj.queries, keys, values
+        return apply_rope_to_tail(proj.q, proj.cos, proj.sin, self.config.qk_rope_head_dim), keys, values
 
     def expanded_attention(self, proj: Projection, allowed: jax.Array, return_probs: bool = False):
         """Reference form: expand the latent into per-head keys/values; `allowed` [B, S, T] masks keys.
@@ -119,9 +123,9 @@ class MLA(nnx.Module):
     def absorbed_queries(self, proj: Projection) -> jax.Array:
         """Queries in latent space [B, S, H, C + R]: q_nope folded through W_UK, rope part unchanged."""
         nope = self.config.qk_nope_head_dim
-        w_uk, _ = self._split_kv_b(proj.queries.dtype)
-        q_latent = jnp.einsum("BSHK,CHK->BSHC", proj.queries[..., :nope], w_uk)
-        return jnp.concatenate([q_latent, proj.queries[..., nope:]], axis=-1)
+        w_uk, _ = self._split_kv_b(proj.q.dtype)
+        q_latent = jnp.einsum("BSHK,CHK->BSHC", proj.q[..., :nope], w_uk)
+        return jnp.concatenate([q_latent, apply_rope_half_split(proj.q[..., nope:], proj.cos, proj.sin)], axis=-1)
 
     def latent_to_heads(self, latent_out: jax.Array) -> jax.Array:
         """[B, S, H, C] latent attention output -> per-head values [B, S, H, P] through W_UV."""
@@ -132,7 +136,7 @@ class MLA(nnx.Module):
                q_offset: int | jax.Array = 0, mesh=None) -> jax.Array:
         """Attention over the selected keys with the configured backend; returns [B, S, D]."""
         config = self.config
-        batch, num_queries = proj.queries.shape[:2]
+        batch, num_queries = proj.q.shape[:2]
         num_keys = proj.rows.shape[1]
         if self.selection_is_causal_mask(num_queries, num_keys, mesh) and isinstance(q_offset, int) \
                 and q_offset == 0 and q_segment_ids is k_segment_ids:

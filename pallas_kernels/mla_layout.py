@@ -199,20 +199,23 @@ def backward_shift(out, d_out, d_lse):
     return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
 
 
-def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, *per_query, chunk: int):
+def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, *per_query, chunk: int, dq_init=None):
     """A row-gathering backward over bounded query chunks; shared by the Triton and the TPU sparse MLA kernels
     and the TPU backward of the index scores at a selection (`tpu_selected_scores`).
 
     q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
-    [B, S, Np] (-1 = unused); per_query: the other per-query inputs [B, S, ...] (sparse MLA: d_out
-    [B, S, Hp, *], lse and shift fp32 [B, S, Hp]). For one chunk of queries,
-    chunk_kernel(q_parts, idx, latent_parts, *per_query) returns (dq_parts, dk_parts): dq like
-    q_parts and per-(query, slot) head-summed row gradients dk [B, chunk, Np, *] like latent_parts, in the
-    latent's dtype (each row summed over heads in fp32 and rounded once: half the HBM bytes of fp32 rows in
-    bf16). Those rows are scatter-added into fp32 d(latent) with `.at[].add` here, chunk after chunk.
+    [B, S, Np] (-1 = unused; or any [B, S, ...] arrangement of the Np slots, such as the TPU kernels' blocks); per_query: the other per-query inputs [B, S, ...] (sparse MLA: d_out
+    [B, S, Hp, *], lse and shift fp32 [B, S, Hp]). All of them are padded here to a whole number of chunks.
+    For the chunk of queries [start, start + chunk), chunk_kernel(start, dq_parts, q_parts, idx, latent_parts,
+    *per_query) (the full-length arrays; `sliced_chunks` adapts a kernel of one chunk's slices) returns
+    (dq_parts with the chunk's rows written, dk_parts): per-(query, slot) head-summed row gradients
+    [B, chunk Np, *] like latent_parts, in the latent's dtype (each row summed over heads in fp32 and rounded
+    once: half the HBM bytes of fp32 rows in bf16). Those rows are scatter-added into fp32 d(latent) with
+    `.at[].add` here, chunk after chunk. dq_init(shape, dtype) makes the dq buffers (default zeros: every row
+    is written by its chunk, so a kernel writing them in place can start from an uninitialised buffer).
     Returns (dq_parts [B, S, Hp, *], d(latent) parts fp32 [B, T, *]).
     """
-    batch, q_len = idx.shape[:2]
+    batch, q_len = q_parts[0].shape[:2]  # idx may come padded already (to whole chunks, with -1)
     num_keys = latent_parts[0].shape[1]
     chunk = min(chunk, q_len)
     padded_len = round_up(q_len, chunk)
@@ -223,25 +226,40 @@ def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, *per_query, chunk
     q_parts = tuple(pad_queries(x) for x in q_parts)
     idx = pad_queries(idx, value=-1)
     per_query = tuple(pad_queries(x) for x in per_query)
+    # Materialised once, before the loop: XLA would otherwise sink a broadcast operand (a constant cotangent,
+    # such as a sum loss's) into the loop body, where a kernel reading the full-length array makes all of it
+    # every chunk (DSA at 64K tokens: +540 GB).
+    per_query = lax.optimization_barrier(per_query)
 
     def chunk_step(c, carry):
         dq_parts, dlat_parts = carry
         start = c * chunk
-
-        def take(x):
-            return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-
-        idx_chunk = take(idx)
-        dq_chunk, dk_chunk = chunk_kernel(tuple(take(x) for x in q_parts), idx_chunk, latent_parts,
-                                          *(take(x) for x in per_query))
+        dq_parts, dk_chunk = chunk_kernel(start, dq_parts, q_parts, idx, latent_parts, *per_query)
+        idx_chunk = lax.dynamic_slice_in_dim(idx, start, chunk, axis=1)
         rows = jnp.where((idx_chunk >= 0) & (idx_chunk < num_keys), idx_chunk, num_keys).reshape(batch, -1)
         dlat_parts = tuple(_scatter_add_rows(acc, rows, dk.reshape(batch, rows.shape[1], -1))
                            for acc, dk in zip(dlat_parts, dk_chunk))
-        dq_parts = tuple(lax.dynamic_update_slice_in_dim(acc, dq, start, axis=1)
-                         for acc, dq in zip(dq_parts, dq_chunk))
         return dq_parts, dlat_parts
 
-    init = (tuple(jnp.zeros_like(x) for x in q_parts),
+    make_dq = dq_init or (lambda shape, dtype: jnp.zeros(shape, dtype))
+    init = (tuple(make_dq(x.shape, x.dtype) for x in q_parts),
             tuple(jnp.zeros(x.shape, jnp.float32) for x in latent_parts))
     dq_parts, dlat_parts = lax.fori_loop(0, padded_len // chunk, chunk_step, init)
     return tuple(x[:, :q_len] for x in dq_parts), dlat_parts
+
+
+def sliced_chunks(kernel, chunk: int):
+    """A `chunked_backward` chunk kernel from kernel(q_parts, idx, latent_parts, *per_query) -> (dq_parts,
+    dk_parts) of one chunk's slices: it slices the chunk out of each per-query array and writes its dq back."""
+
+    def chunk_kernel(start, dq_parts, q_parts, idx, latent_parts, *per_query):
+        def take(x):
+            return lax.dynamic_slice_in_dim(x, start, min(chunk, x.shape[1]), axis=1)
+
+        dq_chunk, dk_chunk = kernel(tuple(take(x) for x in q_parts), take(idx), latent_parts,
+                                    *(take(x) for x in per_query))
+        dq_parts = tuple(lax.dynamic_update_slice_in_dim(acc, dq, start, axis=1)
+                         for acc, dq in zip(dq_parts, dq_chunk))
+        return dq_parts, dk_chunk
+
+    return chunk_kernel

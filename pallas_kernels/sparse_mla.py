@@ -60,6 +60,7 @@ from pallas_kernels.mla_layout import (
     gather_kernel_plan,
     kernel_warps,
     pad_indices,
+    sliced_chunks,
     split_latent,
     split_queries,
     validate_sparse_inputs,
@@ -300,7 +301,7 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, ro
         return (dq_c, dq_r), (dk_c, dk_r)
 
     (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
-        chunk_kernel, split_queries(q, layout), split_latent(latent, layout), slots, do_c, lse_padded, shift,
+        sliced_chunks(chunk_kernel, bwd_query_chunk), split_queries(q, layout), split_latent(latent, layout), slots, do_c, lse_padded, shift,
         chunk=bwd_query_chunk)
     return _gradients(q, latent, layout, dq_c, dq_r, dlat_c, dlat_r)
 

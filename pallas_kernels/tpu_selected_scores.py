@@ -47,13 +47,16 @@ from pallas_kernels.mla_layout import chunked_backward
 from pallas_kernels.tpu_sparse_mla import (
     HEAD_MULTIPLE,
     LANES,
+    QueryWindow,
     TpuSizes,
     for_each_row_block,
     gather_call,
     latent_rows,
+    row_block_counts,
     valid_slots,
     wait_row_gradients,
 )
+from pallas_kernels.uninitialized import uninitialized
 
 
 def _backward_kernel(idx_smem, count_smem, idx_ref, keys_hbm, q_ref, w_ref, g_ref, dq_ref, dw_ref, dk_hbm, buf, sem,
@@ -134,27 +137,37 @@ def selected_scores_backward(q_index, k_index, weights, indices, d_scores, *, bl
     sizes = TpuSizes(heads=round_up(heads, HEAD_MULTIPLE), width=round_up(dim, LANES),
                      values=round_up(dim, LANES))
     slots = round_up(indices.shape[2], block_n)
+    chunk = min(bwd_query_chunk or q_len, q_len)
     q_p = pad_axis(pad_axis(q_index.astype(dtype), 3, sizes.width), 2, sizes.heads)
     w_p = pad_axis(weights.astype(jnp.float32), 2, sizes.heads)[..., None]
-    idx = pad_axis(indices.astype(jnp.int32), 2, slots, value=-1)
-    g = pad_axis(d_scores.astype(jnp.float32), 2, slots)
+    # Every per-query array in the kernel's arrangement before the chunk loop (a reshape that changes the TPU
+    # tiling is a copy, which inside the loop would copy the whole array every chunk): the indices and their
+    # cotangents as row blocks, the indices padded to whole chunks, their row-block counts made once.
+    blocks = (batch, round_up(q_len, chunk), slots // block_n, block_n)
+    idx = pad_axis(pad_axis(indices.astype(jnp.int32), 2, slots, value=-1), 1, blocks[1], value=-1).reshape(blocks)
+    counts = row_block_counts(idx, k_index.shape[1])
+    g = pad_axis(pad_axis(d_scores.astype(jnp.float32), 2, slots), 1, blocks[1]).reshape(blocks)
     rows = latent_rows(k_index, sizes)  # made once, outside the chunk loop
     kernel = functools.partial(_backward_kernel, scale=dim**-0.5)
-    visited = batch * chunk_row_blocks(cost_q_offset, q_len, indices.shape[2], block_n, bwd_query_chunk or q_len)
+    visited = batch * chunk_row_blocks(cost_q_offset, q_len, indices.shape[2], block_n, chunk)
 
-    def chunk_kernel(q_parts, idx_c, keys_parts, g_c):
-        (q_c, w_c), blocks = q_parts, (*idx_c.shape[:2], slots // block_n, block_n)
+    def chunk_kernel(start, dq_parts, q_parts, idx, keys_parts, g):
+        # The chunk's queries are read from and their dq, dw written into the full-length arrays in place.
+        del keys_parts  # the padded keys size dk only
+        q_c, w_c = q_parts
         dq, dw, dk = gather_call(
-            kernel, idx_c.reshape(blocks), rows, [q_c, w_c, g_c.reshape(blocks)],
+            kernel, idx, rows, [q_c, w_c, g],
             # dk rows as [B, chunk Np, Jp], the scatter's shape: XLA fuses their conversion to fp32 into it.
             [(q_c.shape, dtype, False), (w_c.shape, jnp.float32, False),
-             ((batch, idx_c.shape[1] * slots, sizes.width), dtype, True)],
+             ((batch, chunk * slots, sizes.width), dtype, True)],
             scratch=[pltpu.VMEM((2, block_n, sizes.width), dtype), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=0, visited_blocks=visited,
-            flops=selected_scores_backward_flops(sizes.heads, slots, sizes.width))
+            flops=selected_scores_backward_flops(sizes.heads, slots, sizes.width),
+            window=QueryWindow(start, chunk, counts, dq_parts))
         return (dq, dw), (dk,)
 
     (dq, dw), (dk,) = chunked_backward(chunk_kernel, (q_p, w_p), (pad_axis(k_index, 2, sizes.width),), idx, g,
-                                       chunk=bwd_query_chunk or q_len)
+                                       chunk=chunk, dq_init=lambda shape, dtype: uninitialized(shape, dtype, g,
+                                                                                                interpret))
     return (dq[:, :, :heads, :dim].astype(q_index.dtype), dw[:, :, :heads, 0].astype(weights.dtype),
             dk[..., :dim].astype(dtype))

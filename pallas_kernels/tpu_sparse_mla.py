@@ -44,6 +44,7 @@ from pallas_kernels.dsa_cost import (
     sparse_target_from_scores_flops,
 )
 from pallas_kernels.mla_layout import MlaLayout, backward_shift, chunked_backward, pad_indices
+from pallas_kernels.uninitialized import uninitialized
 
 LANES = 128
 HEAD_MULTIPLE = 16  # bf16 packs 16 rows per (16, 128) VMEM tile
@@ -65,8 +66,16 @@ class TpuSizes:
 
 
 def pad_queries(q: jax.Array, sizes: TpuSizes) -> jax.Array:
-    """[B, S, H, X] -> [B, S, Hp, W], zero padded (zero columns leave every dot product unchanged)."""
-    return pad_axis(pad_axis(q, 3, sizes.width), 2, sizes.heads)
+    """[B, S, H, X] -> [B, S, Hp, X], zero padded heads: the kernels widen each query block to the rows' W in VMEM
+    (`wide_queries`), so no padded copy of the queries is made in HBM."""
+    return pad_axis(q, 2, sizes.heads)
+
+
+def wide_queries(q: jax.Array, width: int) -> jax.Array:
+    """A query block [Hp, X] as [Hp, width], zero columns appended (they leave every dot product unchanged)."""
+    if q.shape[1] == width:
+        return q
+    return jnp.concatenate([q, jnp.zeros((q.shape[0], width - q.shape[1]), q.dtype)], axis=1)
 
 
 def latent_rows(latent: jax.Array, sizes: TpuSizes) -> jax.Array:
@@ -169,26 +178,46 @@ def for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, init, like
     return lax.fori_loop(0, num_blocks, step, init)
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryWindow:
+    """A gather_call over queries [start, start + length) of full-length per-query arrays (a backward chunk):
+    the programs read their blocks in place and write their per-query outputs into `outputs` (full-length
+    buffers, aliased), so no chunk of an input is copied out and no output chunk copied back in. A per-query
+    input `length` queries long holds only the window's (one laid out at 128x its size, such as [.., Hp, 1],
+    is better sliced per chunk than kept whole). start: int32 scalar (traced: the chunk loop's); counts:
+    `row_block_counts` of the full indices, made once."""
+
+    start: jax.Array
+    length: int
+    counts: jax.Array
+    outputs: tuple[jax.Array, ...] = ()
+
+
 def _gather_cost(idx, latent, per_query, out_shapes, *, flops: int, transcendentals: int,
-                 visited_blocks: int | None) -> pl.CostEstimate:
+                 visited_blocks: int | None, programs: int) -> pl.CostEstimate:
     """What one call computes and moves, for XLA's scheduler and cost analysis (it cannot see into Mosaic):
-    `visited_blocks` row blocks over the B x S programs (None: every block), each gathering block_n rows of P
-    as stored (a (1, P) tile of a type narrower than 32 bits is padded to whole 32-bit words, which the DMA
-    reads), and the per-program `flops` / `transcendentals` and HBM outputs (per-slot rows) in proportion; the
-    per-query inputs and outputs once."""
+    `visited_blocks` row blocks over the `programs` (one per query; None: every block), each gathering block_n
+    rows of P as stored (a (1, P) tile of a type narrower than 32 bits is padded to whole 32-bit words, which
+    the DMA reads), and the per-program `flops` / `transcendentals` and HBM outputs (per-slot rows) in
+    proportion; each program's blocks of the per-query inputs and outputs once."""
     batch, q_len, num_blocks, block_n = idx.shape
     block_bytes = block_n * latent.shape[-1] * max(latent.dtype.itemsize, 4)
     outputs = [(math.prod(shape) * jnp.dtype(dtype).itemsize, hbm) for shape, dtype, hbm in out_shapes]
+
+    def share(size: int, queries: int) -> float:  # a window's programs move their queries' share of an array
+        return size * min(1, programs / (batch * queries))
+
+    moved = (sum(share(array_bytes(x), x.shape[1]) for x in (idx, *per_query))
+             + sum(share(size, q_len) for size, hbm in outputs if not hbm))
     return gathered_rows_cost(
-        batch * q_len, num_blocks, visited_blocks, block_bytes=block_bytes,
-        moved_bytes=array_bytes(idx, *per_query) + sum(size for size, hbm in outputs if not hbm),
+        programs, num_blocks, visited_blocks, block_bytes=block_bytes, moved_bytes=round(moved),
         per_slot_bytes=sum(size for size, hbm in outputs if hbm), flops=flops,
         transcendentals=transcendentals).estimate()
 
 
 def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), interpret: bool, flops: int,
-                transcendentals: int, visited_blocks: int | None = None):
-    """pallas_call over grid (B, S) for a row-gathering kernel.
+                transcendentals: int, visited_blocks: int | None = None, window: QueryWindow | None = None):
+    """pallas_call over grid (B, S) for a row-gathering kernel (S: the window's length, when given).
 
     Kernel arguments: idx (SMEM), the query's row-block count [1, 1] (SMEM, `row_block_counts`), idx (VMEM),
     latent (`latent_rows`, [B, T, 1, P], HBM), the per-query inputs, the outputs, then the row buffer
@@ -197,40 +226,62 @@ def gather_call(kernel, idx, latent, per_query, out_shapes, *, scratch=(), inter
     [a, b] block per program, or HBM outputs (memory_space ANY) when given as (shape, dtype, "hbm").
     flops / transcendentals: per program, over all Np slots. visited_blocks: the row blocks the declared cost
     counts over the whole grid (`dsa_cost.causal_row_blocks`; None: every block).
+    window: the programs cover only the window's queries of idx and the per-query arrays, and the per-query
+    outputs are written into `window.outputs` in place (their out_shapes give the full shapes).
     """
     batch, q_len, _, block_n = idx.shape
-    counts = row_block_counts(idx, latent.shape[1])
+    counts = row_block_counts(idx, latent.shape[1]) if window is None else window.counts
+    programs = q_len if window is None else window.length
 
     def per_query_spec(shape, memory_space=None):
-        kwargs = {} if memory_space is None else dict(memory_space=memory_space)
-        return pl.BlockSpec((None, None, *shape[2:]), lambda b, s: (b, s, 0, 0), **kwargs)
+        def query_block(b, s, *start):  # query s of the grid is query start + s of a full-length array
+            local = window is None or shape[1] == window.length
+            return (b, s if local else s + start[0][0], 0, 0)
 
+        kwargs = {} if memory_space is None else dict(memory_space=memory_space)
+        return pl.BlockSpec((None, None, *shape[2:]), query_block, **kwargs)
+
+    in_specs = [per_query_spec(idx.shape, pltpu.SMEM), per_query_spec(counts.shape, pltpu.SMEM),
+                per_query_spec(idx.shape), pl.BlockSpec(memory_space=pl.ANY),
+                *(per_query_spec(x.shape) for x in per_query)]
     out_specs = [pl.BlockSpec(memory_space=pl.ANY) if hbm else per_query_spec(shape)
                  for shape, _, hbm in out_shapes]
-    return pl.pallas_call(
-        kernel,
-        grid=(batch, q_len),
-        in_specs=[per_query_spec(idx.shape, pltpu.SMEM), per_query_spec(counts.shape, pltpu.SMEM),
-                  per_query_spec(idx.shape), pl.BlockSpec(memory_space=pl.ANY),
-                  *(per_query_spec(x.shape) for x in per_query)],
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes],
-        scratch_shapes=[pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype),
-                        pltpu.SemaphoreType.DMA((2,)), *scratch],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        cost_estimate=_gather_cost(idx, latent, [counts, *per_query], out_shapes, flops=flops,
-                                   transcendentals=transcendentals, visited_blocks=visited_blocks),
-        interpret=tpu_interpret(interpret),
-    )(idx, counts, idx, latent, *per_query)
+    inputs = [idx, counts, idx, latent, *per_query]
+    scratch_shapes = [pltpu.VMEM((2, block_n, 1, latent.shape[-1]), latent.dtype), pltpu.SemaphoreType.DMA((2,)),
+                      *scratch]
+    params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+                  cost_estimate=_gather_cost(idx, latent, [counts, *per_query], out_shapes, flops=flops,
+                                             transcendentals=transcendentals, visited_blocks=visited_blocks,
+                                             programs=batch * programs),
+                  interpret=tpu_interpret(interpret))
+    out_shape = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype, _ in out_shapes]
+    if window is None:
+        return pl.pallas_call(kernel, grid=(batch, q_len), in_specs=in_specs, out_specs=out_specs,
+                              out_shape=out_shape, scratch_shapes=scratch_shapes, **params)(*inputs)
+
+    def windowed_kernel(start_ref, *refs):  # the buffers aliased to the outputs come after the inputs
+        del start_ref
+        kernel(*refs[: len(inputs)], *refs[len(inputs) + len(window.outputs):])
+
+    start = jnp.reshape(window.start, (1,)).astype(jnp.int32)
+    buffers = [pl.BlockSpec(memory_space=pl.ANY)] * len(window.outputs)  # written through the aliased outputs
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(batch, window.length),
+                                             in_specs=[*in_specs, *buffers], out_specs=out_specs,
+                                             scratch_shapes=scratch_shapes)
+    first_buffer = 1 + len(inputs)  # flat positions: the scalar prefetch operand first
+    aliases = {first_buffer + i: i for i in range(len(window.outputs))}
+    return pl.pallas_call(windowed_kernel, grid_spec=grid_spec, out_shape=out_shape, input_output_aliases=aliases,
+                          **params)(start, *inputs, *window.outputs)
 
 
-def _forward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, scale, values, heads):
+def _forward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_ref, *refs, scale, values, heads,
+                    width):
     """One query's out [Hp, V] and lse [Hp, 1]; with the KL target (refs = target_ref, buf, sem, scores), also
     sum_h exp(logit - lse_h) / H at every slot, from the logits kept in `scores` [Np/block_n, Hp, block_n]
     (fp32, GLM-5: 512 KiB) as the row blocks arrive: the rows are gathered once for both. `heads`: the real H."""
     target_ref, buf, sem, scores = refs if len(refs) == 4 else (None, *refs, None)
     num_keys = lat_hbm.shape[1]
-    q = q_ref[...]  # [Hp, W]
+    q = wide_queries(q_ref[...], width)  # [Hp, W]
     heads_padded = q.shape[0]
 
     def body(j, rows, carry):
@@ -278,11 +329,11 @@ def _forward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, out_ref, lse_
 
 
 def _backward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_ref, shift_ref, dq_ref, dk_hbm, buf,
-                     sem, dk_buf, dk_sem, *, scale, values):
+                     sem, dk_buf, dk_sem, *, scale, values, width):
     num_keys = lat_hbm.shape[1]
     num_blocks, block_n = idx_ref.shape
     batch, query = pl.program_id(0), pl.program_id(1)
-    q = q_ref[...]  # [Hp, W]
+    q = wide_queries(q_ref[...], width)  # [Hp, W]
     d_out = do_ref[...]  # [Hp, V]
     lse = lse_ref[...]  # [Hp, 1]
     shift = shift_ref[...]  # [Hp, 1]: do.out - d lse
@@ -313,7 +364,7 @@ def _backward_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, do_ref, lse_
 
     dq = for_each_row_block(idx_smem, count_smem, lat_hbm, buf, sem, body, jnp.zeros(q.shape, jnp.float32), q)
     wait_row_gradients(dk_copy, count_smem[0, 0])
-    dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
+    dq_ref[...] = (scale * dq[:, : dq_ref.shape[1]]).astype(dq_ref.dtype)  # [Hp, X]: the zero columns dropped
 
 
 def wait_row_gradients(dk_copy, visited) -> None:
@@ -344,7 +395,7 @@ def _forward(q, latent, indices, scale, layout: MlaLayout, interpret: bool, with
         transcendentals += sizes.heads * layout.slots_padded
         scratch.append(pltpu.VMEM((idx.shape[2], sizes.heads, layout.block_n), jnp.float32))
     results = gather_call(
-        functools.partial(_forward_kernel, scale=scale, values=sizes.values, heads=layout.heads),
+        functools.partial(_forward_kernel, scale=scale, values=sizes.values, heads=layout.heads, width=sizes.width),
         idx, latent_rows(latent, sizes), [q_p], outputs, scratch=scratch, interpret=interpret, flops=flops,
         transcendentals=transcendentals,
         visited_blocks=batch * causal_row_blocks(cost_q_offset, q_len, layout.num_slots, layout.block_n))
@@ -370,31 +421,43 @@ def _tpu_sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset
     q, latent, indices, out, lse = residuals
     d_out, d_lse = cotangents
     sizes = TpuSizes.of(layout)
-    kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values)
+    kernel = functools.partial(_backward_kernel, scale=scale, values=sizes.values, width=sizes.width)
     visited = q.shape[0] * chunk_row_blocks(cost_q_offset, q.shape[1], layout.num_slots, layout.block_n,
                                             bwd_query_chunk)
-
     rows = latent_rows(latent, sizes)  # made once, outside the chunk loop
+    chunk = min(bwd_query_chunk, q.shape[1])
+    # Every per-query array in the kernels' arrangement before the chunk loop (a reshape that changes the TPU
+    # tiling is a copy, which inside the loop would copy the whole array every chunk), the indices as row blocks
+    # padded to whole chunks, their row-block counts made once.
+    idx = block_indices(pad_axis(indices, 1, round_up(q.shape[1], chunk), value=-1), layout)
+    counts = row_block_counts(idx, latent.shape[1])
 
-    def chunk_kernel(q_parts, idx, latent_parts, do, lse_c, shift_c):
-        (q_c,), lat = q_parts, rows  # latent_parts (the [B, T, W] padded latent) sizes d(latent) only
-        idx_blocks = idx.reshape(*idx.shape[:2], -1, layout.block_n)
+    def chunk_kernel(start, dq_parts, q_parts, idx, latent_parts, do, lse_p, shift_p):
+        # The chunk's queries are read from and their dq written into the full-length arrays in place; lse and
+        # shift are sliced per chunk: as the kernel's [.., Hp, 1] columns they would take 128x their bytes.
+        (q_p,), (dq_p,) = q_parts, dq_parts
+        del latent_parts  # the [B, T, W] padded latent sizes d(latent) only
+
+        def column(x):
+            return lax.dynamic_slice_in_dim(x, start, chunk, axis=1)[..., None]
+
         dq, dk = gather_call(
-            kernel, idx_blocks, lat, [q_c, do, lse_c[..., None], shift_c[..., None]],
+            kernel, idx, rows, [q_p, do, column(lse_p), column(shift_p)],
             # dk rows as [B, chunk Np, W], the scatter's shape: XLA then fuses their conversion to fp32 into it.
-            [(q_c.shape, q_c.dtype, False), ((idx.shape[0], idx.shape[1] * idx.shape[2], sizes.width), latent.dtype,
-                                             True)],
+            [(q_p.shape, q_p.dtype, False),
+             ((idx.shape[0], chunk * layout.slots_padded, sizes.width), latent.dtype, True)],
             scratch=[pltpu.VMEM((2, layout.block_n, sizes.width), latent.dtype), pltpu.SemaphoreType.DMA((2,))],
             interpret=interpret, transcendentals=sizes.heads * layout.slots_padded,
             flops=sparse_mla_backward_flops(sizes.heads, layout.slots_padded, sizes.width, sizes.values),
-            visited_blocks=visited)
+            visited_blocks=visited, window=QueryWindow(start, chunk, counts, (dq_p,)))
         return (dq,), (dk,)
 
     do_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, sizes.values), 2, sizes.heads)
+    shift = backward_shift(out, d_out, d_lse)
     (dq,), (dlatent,) = chunked_backward(
-        chunk_kernel, (pad_queries(q, sizes),), (pad_axis(latent, 2, sizes.width),), pad_indices(indices, layout),
-        do_p, pad_axis(lse, 2, sizes.heads), pad_axis(backward_shift(out, d_out, d_lse), 2, sizes.heads),
-        chunk=bwd_query_chunk)
+        chunk_kernel, (pad_queries(q, sizes),), (pad_axis(latent, 2, sizes.width),), idx, do_p,
+        pad_axis(lse, 2, sizes.heads), pad_axis(shift, 2, sizes.heads),
+        chunk=bwd_query_chunk, dq_init=lambda shape, dtype: uninitialized(shape, dtype, lse, interpret))
     width = q.shape[-1]
     return (dq[:, :, : layout.heads, :width].astype(q.dtype), dlatent[..., :width].astype(latent.dtype), None)
 
@@ -424,9 +487,9 @@ def _tpu_sparse_mla_with_target_bwd(scale, layout, bwd_query_chunk, interpret, c
 tpu_sparse_mla_with_target.defvjp(_tpu_sparse_mla_with_target_fwd, _tpu_sparse_mla_with_target_bwd)
 
 
-def _target_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale):
+def _target_kernel(idx_smem, count_smem, idx_ref, lat_hbm, q_ref, lse_ref, out_ref, buf, sem, *, scale, width):
     num_keys = lat_hbm.shape[1]
-    q = q_ref[...]  # [Hp, W]
+    q = wide_queries(q_ref[...], width)  # [Hp, W]
     lse = lse_ref[...]  # [Hp, 1]; padded heads +1e30, so their probabilities are 0
 
     def body(j, rows, carry):
@@ -449,7 +512,7 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     sizes = TpuSizes.of(layout)
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
-    (p,) = gather_call(functools.partial(_target_kernel, scale=scale), idx, latent_rows(latent, sizes),
+    (p,) = gather_call(functools.partial(_target_kernel, scale=scale, width=sizes.width), idx, latent_rows(latent, sizes),
                         [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
                         flops=sparse_target_flops(sizes.heads, layout.slots_padded, sizes.width),
                         transcendentals=sizes.heads * layout.slots_padded)

@@ -241,7 +241,8 @@ def test_a_call_without_a_backward_chunk_runs_its_backward_in_the_rules_chunks(p
     monkeypatch.setattr(sparse_mla, "backward_query_chunk", lambda *args: asked.append(args) or 4)
     module = tpu_sparse_mla if platform == "tpu" else sparse_mla
     chunked = module.chunked_backward
-    monkeypatch.setattr(module, "chunked_backward", lambda *a, chunk: chunks.append(chunk) or chunked(*a, chunk=chunk))
+    monkeypatch.setattr(module, "chunked_backward",
+                        lambda *a, chunk, **kw: chunks.append(chunk) or chunked(*a, chunk=chunk, **kw))
     q, latent = jnp.ones((1, 9, 2, 48), jnp.bfloat16), jnp.ones((1, 40, 48), jnp.bfloat16)
     indices = jnp.zeros((1, 9, 8), jnp.int32)
     loss = lambda q, latent: entry(q, latent, indices, scale=0.1, kv_lora_rank=32, block_n=16, interpret=True,  # noqa: E731

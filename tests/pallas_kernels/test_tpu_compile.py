@@ -108,7 +108,8 @@ def entry_points(shape: Shapes, dtype) -> dict:
         # (same function, same shapes: 60 s of compiles).
         "sparse_mla_forward": (attention, (q, latent, indices), 1),
         "sparse_mla_with_target_forward": (with_target, (q, latent, indices), 1),  # compiled by the next one
-        "sparse_mla_with_target_backward": (grad(with_target_loss, 2), (q, latent, indices), 2),
+        # The backwards write dq (and dw) in place into buffers nothing initialises: one more (empty) kernel each.
+        "sparse_mla_with_target_backward": (grad(with_target_loss, 2), (q, latent, indices), 3),
         "indexer_scores_with_backward": (grad(scores_loss, 3), (q_index, k_index, weights, q_seg, k_seg), 1),
         "indexer_topk": (topk, (q_index, k_index, weights, q_seg, k_seg), 1),
         # The top 128 of 2048 keys: the score kernel folds 512 bins' maxima on chip (binned_topk), as at 202,752
@@ -117,7 +118,7 @@ def entry_points(shape: Shapes, dtype) -> dict:
         "sparse_attention_target": (sparse_target, (q, latent, indices, lse), 1),
         "dense_attention_target": (dense_target, (q, latent, q_seg, k_seg), 2),  # lse pass, probability pass
         "selected_scores_backward": (selected_scores_grad,
-                                     (q_index, k_index, weights, indices, sds((b, s, shape.slots), jnp.float32)), 1),
+                                     (q_index, k_index, weights, indices, sds((b, s, shape.slots), jnp.float32)), 3),
     }
 
 
@@ -146,10 +147,12 @@ def test_mosaic_kernel_compiles_for_tpu(chip, name):
 
 
 def _declared_costs(fn, args, chip: str) -> list[dict[str, int]]:
-    """The `pl.CostEstimate` of each Mosaic kernel in `fn`'s lowered (not compiled) module."""
+    """The `pl.CostEstimate` of each Mosaic kernel in `fn`'s lowered (not compiled) module that declares work
+    (not the empty kernels of `pallas_kernels.uninitialized`)."""
     text = jax.jit(fn).trace(*on_chip(args, chip)).lower().as_text()
-    return [{key: int(value) for key, value in re.findall(r"\\22(\w+)\\22:(\d+)", estimate)}
-            for estimate in re.findall(r"cost_estimate\\22: \{(.*?)\}", text)]
+    costs = [{key: int(value) for key, value in re.findall(r"\\22(\w+)\\22:(\d+)", estimate)}
+             for estimate in re.findall(r"cost_estimate\\22: \{(.*?)\}", text)]
+    return [cost for cost in costs if any(cost.values())]
 
 
 @pytest.mark.tpu_aot

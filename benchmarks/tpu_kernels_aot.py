@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from glm5_jax.parallel.hlo_stats import hlo_stats  # noqa: E402
@@ -106,9 +107,19 @@ def _vmem(compiled) -> int:
     return max(sizes)
 
 
+def _row_major(shape, sharding) -> Format:
+    return Format(Layout(major_to_minor=tuple(range(len(shape)))), sharding)
+
+
 def _compile(fn, args, sharding):
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    return jax.jit(fn).trace(*placed).lower().compile()
+    """The module with its arguments and results in row-major layouts, as the kernels take them inside a model.
+    XLA:TPU's own choice for an entry array can differ: for q [1, S, 64, 576] it makes S the minor dimension
+    (576 is not a whole number of 128-lane tiles), so a module left to choose relaid the queries out on the way in
+    and their gradient on the way out, 30 GB at 64K tokens that a layer inside a model does not move."""
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_row_major(a.shape, sharding)) for a in args]
+    results = jax.eval_shape(fn, *args)
+    out = jax.tree.map(lambda r: _row_major(r.shape, sharding), results)
+    return jax.jit(fn, out_shardings=out).trace(*placed).lower().compile()
 
 
 def _attention_grad(q, latent, indices):

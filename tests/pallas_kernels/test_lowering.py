@@ -48,7 +48,8 @@ def _calls(platform: str) -> dict:
 
     return {
         "sparse_mla_forward": (attention, (Q, LATENT, INDICES), {"gpu": 1, "tpu": 1}),
-        "sparse_mla_backward": (jax.grad(attention_loss, argnums=(0, 1)), (Q, LATENT, INDICES), {"gpu": 2, "tpu": 2}),
+        # TPU: and the empty call that makes the dq buffer the backward writes in place (`uninitialized`).
+        "sparse_mla_backward": (jax.grad(attention_loss, argnums=(0, 1)), (Q, LATENT, INDICES), {"gpu": 2, "tpu": 3}),
         "indexer_topk": (lambda q, k, w: indexer_topk(q, k, w, topk=N, **compiled), (Q_INDEX, K_INDEX, WEIGHTS),
                          {"gpu": 1, "tpu": 1}),
         "indexer_scores_grad": (jax.grad(scores_loss, argnums=(0, 1, 2)), (Q_INDEX, K_INDEX, WEIGHTS),

@@ -204,8 +204,9 @@ def chunked_backward(chunk_kernel, q_parts, latent_parts, idx, *per_query, chunk
     and the TPU backward of the index scores at a selection (`tpu_selected_scores`).
 
     q_parts: padded queries, each [B, S, Hp, *]; latent_parts: padded latent, each [B, T, *]; idx int32
-    [B, S, Np] (-1 = unused; or any [B, S, ...] arrangement of the Np slots, such as the TPU kernels' blocks); per_query: the other per-query inputs [B, S, ...] (sparse MLA: d_out
-    [B, S, Hp, *], lse and shift fp32 [B, S, Hp]). All of them are padded here to a whole number of chunks.
+    [B, S, Np] (-1 = unused; or any [B, S, ...] arrangement of the Np slots, such as the TPU kernels' blocks);
+    per_query: the other per-query inputs [B, S, ...] (sparse MLA: d_out [B, S, Hp, *], lse and shift fp32
+    [B, S, Hp]). All of them are padded here to a whole number of chunks.
     For the chunk of queries [start, start + chunk), chunk_kernel(start, dq_parts, q_parts, idx, latent_parts,
     *per_query) (the full-length arrays; `sliced_chunks` adapts a kernel of one chunk's slices) returns
     (dq_parts with the chunk's rows written, dk_parts): per-(query, slot) head-summed row gradients

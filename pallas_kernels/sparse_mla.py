@@ -301,8 +301,8 @@ def _sparse_mla_bwd(scale, layout, bwd_query_chunk, interpret, cost_q_offset, ro
         return (dq_c, dq_r), (dk_c, dk_r)
 
     (dq_c, dq_r), (dlat_c, dlat_r) = chunked_backward(
-        sliced_chunks(chunk_kernel, bwd_query_chunk), split_queries(q, layout), split_latent(latent, layout), slots, do_c, lse_padded, shift,
-        chunk=bwd_query_chunk)
+        sliced_chunks(chunk_kernel, bwd_query_chunk), split_queries(q, layout), split_latent(latent, layout), slots,
+        do_c, lse_padded, shift, chunk=bwd_query_chunk)
     return _gradients(q, latent, layout, dq_c, dq_r, dlat_c, dlat_r)
 
 

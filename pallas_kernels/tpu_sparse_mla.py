@@ -517,8 +517,9 @@ def tpu_sparse_target(q, latent, indices, lse, scale, layout: MlaLayout, padded_
     sizes = TpuSizes.of(layout)
     idx = block_indices(indices, layout)
     lse_p = pad_axis(lse.astype(jnp.float32), 2, sizes.heads, value=padded_head_lse)[..., None]
-    (p,) = gather_call(functools.partial(_target_kernel, scale=scale, width=sizes.width), idx, latent_rows(latent, sizes),
-                        [pad_queries(q, sizes), lse_p], [(idx.shape, jnp.float32, False)], interpret=interpret,
+    kernel = functools.partial(_target_kernel, scale=scale, width=sizes.width)
+    (p,) = gather_call(kernel, idx, latent_rows(latent, sizes), [pad_queries(q, sizes), lse_p],
+                        [(idx.shape, jnp.float32, False)], interpret=interpret,
                         flops=sparse_target_flops(sizes.heads, layout.slots_padded, sizes.width),
                         transcendentals=sizes.heads * layout.slots_padded)
     return p.reshape(*p.shape[:2], -1)[:, :, : layout.num_slots]

@@ -2,7 +2,8 @@
 
     glm5 params CONFIG [key=value ...]
     glm5 train CONFIG [section.key=value ...] [--allow-config-change]
-    glm5 plan CONFIG [mesh.<axis>=N ...] [batch=N seq=N remat=... optimizer=... device_memory_gib=X] [model.key=value ...]
+    glm5 plan CONFIG [mesh.<axis>=N ...] [batch=N seq=N remat=... optimizer=... mu_dtype=... device_memory_gib=X]
+              [model.key=value ...]
     glm5 compile CONFIG --topology NAME [section.key=value ...] [--json] [--hlo-out FILE]
     glm5 import-hf HF_DIR RUN_DIR [mesh.<axis>=N ...] [--param-dtype D] [--compute-dtype D] [--fp8-dtype D]
                    [--host-budget-gb 8]
@@ -50,8 +51,8 @@ from glm5_jax.runner import TrainingError, run
 from glm5_jax.train.run_lock import RunLockedError
 
 PLAN_USAGE = ("usage: glm5 plan CONFIG [mesh.data=N mesh.fsdp=N mesh.expert=N mesh.context=N mesh.tensor=N] "
-              "[batch=N seq=N remat=none|full|dots|dots_no_batch optimizer=adamw|muon device_memory_gib=X] "
-              "[model.key=value ...]")
+              "[batch=N seq=N remat=none|full|dots|dots_no_batch optimizer=adamw|muon mu_dtype=float32|bfloat16 "
+              "device_memory_gib=X] [model.key=value ...]")
 
 
 def _peak_rss_gib() -> float:

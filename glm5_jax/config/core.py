@@ -52,6 +52,7 @@ _SAVE_ALWAYS = jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED)
 # array): keeping it lets a rematerialised MoE layer's backward skip every routed-expert matmul of the recompute
 # (their weight and input gradients need only it and the re-dispatched rows), at 2 x rows x F values per layer.
 EXPERT_MATMUL_NAMES = ("expert_gate_up",)
+EXPERT_MATMUL_POLICIES = ("full_keep_experts",)  # the policies that keep it (the planner counts it for them)
 # Outputs of the attention's forward kernel (the sparse MLA kernel's latent output and log-sum-exp): they are
 # also its custom VJP's residuals, which a `checkpoint_name` outside the kernel cannot reach (the name makes a new
 # value; the backward still needs the kernel's own), so a policy that keeps them picks the kernel out by its

@@ -76,7 +76,7 @@ def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | No
              - memory.alias_size_in_bytes)
     mesh_cfg = cfg.mesh.resolve(len(devices))
     planned = plan(cfg.model, mesh_cfg, PlanSettings(batch=cfg.train.batch_size, seq=cfg.train.seq_len,
-                                                     optimizer=cfg.optim.name,
+                                                     optimizer=cfg.optim.name, mu_dtype=cfg.optim.mu_dtype,
                                                      device_memory_gib=chip.hbm_bytes / GIB))
     tokens = cfg.train.batch_size * cfg.train.seq_len
     model_flops_per_chip = training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / len(devices)

@@ -86,15 +86,16 @@ def _over_devices(one_layer: Callable, leaves: tuple, home: NamedSharding) -> tu
 
 def scale_by_muon_layerwise(
     dims_fn: Callable, layer_stacked_fn: Callable, *, ns_steps: int, beta: float, eps: float,
-    home_fn: Callable | None = None,
+    home_fn: Callable | None = None, mu_dtype=None,
 ) -> optax.GradientTransformation:
-    """`scale_by_muon(nesterov=True)` with `dims_fn(tree)` giving each leaf's `MuonDimensionNumbers` and
-    `layer_stacked_fn(tree)` a bool per leaf: True where axis 0 is a layer axis to map over. `home_fn(tree)`,
-    when given, gives per leaf False or the leaf's `NamedSharding`: a stacked leaf with one has its layers
-    spread over that mesh's devices for Newton-Schulz (see the module docstring)."""
+    """`scale_by_muon(nesterov=True, mu_dtype=mu_dtype)` with `dims_fn(tree)` giving each leaf's
+    `MuonDimensionNumbers` and `layer_stacked_fn(tree)` a bool per leaf: True where axis 0 is a layer axis to map
+    over. `home_fn(tree)`, when given, gives per leaf False or the leaf's `NamedSharding`: a stacked leaf with one
+    has its layers spread over that mesh's devices for Newton-Schulz (see the module docstring)."""
 
     def leaf_muon(dims: MuonDimensionNumbers) -> optax.GradientTransformation:
-        return scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=True, weight_dimension_numbers=dims)
+        return scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype, nesterov=True,
+                             weight_dimension_numbers=dims)
 
     def init_fn(params):
         return leaf_muon(MuonDimensionNumbers()).init(params)
@@ -116,7 +117,7 @@ def scale_by_muon_layerwise(
             # an expression XLA fuses into its readers (the finite guard's check and select, `train.finite_guard`)
             # and writes in place. Returned by the layer loop it was a second stacked copy of the momentum, live
             # beside the first until the guard's select: the v6e-256 step's temporaries 22.6 -> 17.2 GB per chip.
-            new_mu = optax.tree.update_moment(update, mu, beta, 1)
+            new_mu = optax.tree.cast(optax.tree.update_moment(update, mu, beta, 1), mu_dtype)
             if home is not False and _spread_devices(home) > 1 and _spreading_pays(
                     update.shape, _drop_leading_axis(dims), _spread_devices(home)):
                 (out,) = _over_devices(one_layer, (update, mu), home)

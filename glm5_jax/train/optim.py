@@ -211,7 +211,7 @@ def _muon(cfg: OptimConfig, schedule, kv_paths: frozenset[str], config: ModelCon
     dims_fn = _dimension_numbers_fn(cfg.muon_split, config)
     orthogonalise = optax.chain(
         scale_by_muon_layerwise(dims_fn, _layer_stacked_fn(config), ns_steps=cfg.ns_steps,
-                                beta=cfg.muon_momentum, eps=cfg.eps,
+                                beta=cfg.muon_momentum, eps=cfg.eps, mu_dtype=cfg.mu_dtype,
                                 home_fn=_home_fn(config, mesh) if cfg.muon_spread_layers else None),
         _scale_to_rms(dims_fn, cfg.muon_rms),
     )
@@ -241,7 +241,8 @@ def make_optimizer(cfg: OptimConfig, params, *, config: ModelConfig, mesh=None) 
     if present == {"frozen"}:
         _fail("optim.trainable", cfg.trainable, "leaves no trainable parameter")
     schedule = learning_rate_schedule(cfg)
-    adamw = lambda decay: optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay)
+    adamw = lambda decay: optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=decay,
+                                      mu_dtype=cfg.mu_dtype)
     groups = {
         "adamw": adamw(cfg.weight_decay),
         "adamw_no_decay": adamw(0.0),

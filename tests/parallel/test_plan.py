@@ -5,6 +5,7 @@ estimate against XLA's compiled memory analysis is checked in test_multidevice.p
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from glm5_jax.cli import main as cli_main
@@ -57,6 +58,27 @@ def test_remat_and_capacity_reduce_activation_memory():
     capped = dataclasses.replace(TINY, moe_capacity_factor=1.0)
     capped_memory = plan(capped, mesh, PlanSettings(remat="none", **settings))["memory_bytes"]
     assert capped_memory["activations_saved"] < none["activations_saved"]
+
+
+def test_keeping_the_expert_projections_and_a_bf16_momentum_are_counted():
+    """`full_keep_experts` keeps each MoE layer's (and MTP step's) gate/up projections of its received rows, which
+    the CPU trace cannot see; `mu_dtype=bfloat16` halves the fp32 model's Muon momentum (AdamW's second moment
+    stays fp32)."""
+    settings = dict(batch=8, seq=64)
+    mesh = MeshConfig(expert=8)
+    full = plan(TINY, mesh, PlanSettings(remat="full", **settings))["memory_bytes"]
+    kept = plan(TINY, mesh, PlanSettings(remat="full_keep_experts", **settings))["memory_bytes"]
+    # Dropless (the tiny model's capacity factor 0) with one expert per device: each of the 8 devices' 64 tokens
+    # can send it one row.
+    assert TINY.moe_capacity_factor == 0 and TINY.n_routed_experts == 8
+    rows = 8 * settings["batch"] * settings["seq"] // 8
+    moe_layers = TINY.num_moe_layers + (TINY.mtp_num_steps if TINY.num_nextn_predict_layers else 0)
+    want = moe_layers * rows * 2 * TINY.moe_intermediate_size * np.dtype(TINY.compute_dtype).itemsize
+    assert kept["activations_saved"] - full["activations_saved"] == pytest.approx(want, rel=0.05)
+    bf16 = plan(TINY, mesh, PlanSettings(remat="full", mu_dtype="bfloat16", **settings))["memory_bytes"]
+    assert 0.5 * full["optimizer_state"] < bf16["optimizer_state"] < 0.75 * full["optimizer_state"]
+    with pytest.raises(PlanError, match="mu_dtype='fp8' is invalid"):
+        parse_plan_items(["mu_dtype=fp8"])
 
 
 @pytest.mark.slow

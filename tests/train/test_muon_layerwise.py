@@ -4,6 +4,7 @@ one stacked copy of a leaf besides the state."""
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
@@ -29,18 +30,24 @@ _DIMS = {
 _STACKED = {"moe_layers": {"experts": True}, "mtp": {"kernel": False}, "dense_layers": {"o_proj": True}}
 
 
-def test_layerwise_muon_equals_scale_by_muon_over_steps():
+@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
+def test_layerwise_muon_equals_scale_by_muon_over_steps(mu_dtype):
     params = _tree(jax.random.key(0))
-    reference = scale_by_muon(ns_steps=5, beta=0.95, eps=1e-8, nesterov=True, weight_dimension_numbers=_DIMS)
-    layerwise = scale_by_muon_layerwise(lambda t: _DIMS, lambda t: _STACKED, ns_steps=5, beta=0.95, eps=1e-8)
+    reference = scale_by_muon(ns_steps=5, beta=0.95, eps=1e-8, mu_dtype=mu_dtype, nesterov=True,
+                              weight_dimension_numbers=_DIMS)
+    layerwise = scale_by_muon_layerwise(lambda t: _DIMS, lambda t: _STACKED, ns_steps=5, beta=0.95, eps=1e-8,
+                                        mu_dtype=mu_dtype)
     ref_state, state = reference.init(params), layerwise.init(params)
     assert jax.tree.structure(ref_state) == jax.tree.structure(state)
+    assert {x.dtype for x in jax.tree.leaves(state.mu)} == {jnp.dtype(mu_dtype or jnp.float32)}
     for step in range(3):
         grads = _tree(jax.random.key(step + 1))
-        ref_out, ref_state = reference.update(grads, ref_state)
+        # Both jitted: eager and jitted fp32 arithmetic can round a bf16 momentum one ulp apart.
+        ref_out, ref_state = jax.jit(reference.update)(grads, ref_state)
         out, state = jax.jit(layerwise.update)(grads, state)
         for a, b in zip(jax.tree.leaves((ref_out, ref_state)), jax.tree.leaves((out, state))):
-            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=2e-5, atol=2e-6)
     # The orthogonalised update of one expert matrix is (nearly) orthogonal, as Muon's should be.
     singular = np.linalg.svd(np.asarray(out["moe_layers"]["experts"][1, 2]), compute_uv=False)
     assert 0.5 < singular.min() and singular.max() < 1.5

@@ -232,6 +232,7 @@ def test_trainable_regex_list_and_yaml_loading(params):
     ({"min_lr": 1.0, "lr": 0.1}, "optim.min_lr"), ({"warmup_steps": 20, "total_steps": 10}, "optim.warmup_steps"),
     ({"b2": 1.0}, "optim.b2"), ({"trainable": "mlp_only"}, "optim.trainable"),
     ({"trainable": ("([",)}, "optim.trainable"), ({"muon_rms": 0.0}, "optim.muon_rms"),
+    ({"mu_dtype": "float8"}, "optim.mu_dtype"),
 ])
 def test_config_errors_name_the_field(fields, field):
     with pytest.raises(ConfigError, match=field):
@@ -267,3 +268,24 @@ def test_optimizer_applies_schedule_to_update_size(params, grads):
 def test_muon_spread_layers_must_be_a_bool():
     with pytest.raises(ValueError, match="optim.muon_spread_layers"):
         OptimConfig(name="muon", muon_spread_layers="yes")
+
+
+def test_a_bfloat16_first_moment_halves_the_momentum_and_keeps_the_update(params, grads):
+    """mu_dtype bfloat16: Muon's momentum and AdamW's first moment are stored in bf16 (AdamW's second moment and
+    the step count untouched), and the first update stays within bf16 rounding of the fp32 one."""
+    subtree = lambda tree: {"lm_head": tree["lm_head"], **muon_subtree(tree)}  # noqa: E731  AdamW and Muon leaves
+    small_params, small_grads = subtree(params), subtree(grads)
+    by_dtype = {}
+    for mu_dtype in (None, "bfloat16"):
+        tx = make_optimizer(OptimConfig(name="muon", mu_dtype=mu_dtype, **CONST), small_params, config=MODEL)
+        state = tx.init(small_params)
+        updates, state = jax.jit(tx.update)(small_grads, state, small_params)
+        by_dtype[mu_dtype] = (jax.tree.map(np.asarray, updates), state)
+    state_dtypes = lambda state, kind: {  # noqa: E731
+        leaf.dtype.name for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if any(getattr(key, "name", None) == kind for key in path) and leaf.ndim > 0}
+    assert state_dtypes(by_dtype["bfloat16"][1], "mu") == {"bfloat16"}
+    assert state_dtypes(by_dtype["bfloat16"][1], "nu") == {"float32"}
+    assert state_dtypes(by_dtype[None][1], "mu") == {"float32"}
+    for fp32, bf16 in zip(jax.tree.leaves(by_dtype[None][0]), jax.tree.leaves(by_dtype["bfloat16"][0])):
+        np.testing.assert_allclose(bf16, fp32, rtol=0.05, atol=0.05 * np.abs(fp32).max())

@@ -12,3 +12,15 @@ def held_rows_mask(group_sizes: jax.Array, group_offset: jax.Array, held: int, r
     start, end = bounds[group_offset], bounds[group_offset + held]
     row = jnp.arange(rows, dtype=jnp.int32)
     return ((row >= start) & (row < end))[:, None]
+
+
+def visited_rows(rows: int, row_tile: int, groups: int, expected_rows: int | None) -> int:
+    """The rows a grouped kernel computes on when its groups fill `expected_rows` of its `rows` (None: all of them).
+
+    The kernels visit only the row tiles that hold a group's rows (megablox's and the Triton kernels' grids stop at
+    the groups' last tile; rows past the groups' sum are never touched), and a tile across a boundary between two
+    groups once per group: cdiv(expected_rows, row_tile) + groups - 1 tiles at most, capped at the buffer. This is
+    the work a kernel declares (what a roofline counts), so a receive buffer's spare capacity costs nothing."""
+    if expected_rows is None:
+        return rows
+    return min(rows, (-(-expected_rows // row_tile) + groups - 1) * row_tile)

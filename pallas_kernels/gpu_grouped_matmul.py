@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
 
 from pallas_kernels._common import dot_nn, dot_nt, dot_tn, next_power_of_two, pad_axis, round_up, triton_params
-from pallas_kernels._grouped_rows import held_rows_mask
+from pallas_kernels._grouped_rows import held_rows_mask, visited_rows
 from pallas_kernels.kernel_cost import declared_cost
 
 GpuTiling = tuple[int, int, int]
@@ -94,7 +94,7 @@ def _work_tiles_kernel(group_ids_ref, m_tile_ids_ref, bounds_ref, count_ref, off
         plgpu.store(out_ref.at[pl.ds(row0, bm), pl.ds(n_i * bn, bn)], acc.astype(out_ref.dtype), mask=mine)
 
 
-def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, transpose_rhs: bool,
+def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, transpose_rhs: bool, expected_rows,
                        interpret: bool):
     """lhs [Mp, Kp] x rhs [G, Kp, Np] (or [G, Np, Kp] transposed) by group -> [Mp, Np], rows of held groups."""
     bm, bk, bn = tiling
@@ -114,8 +114,8 @@ def _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, t
         compiler_params=triton_params(num_warps=NUM_WARPS,
                                       num_stages=_stages(bm * bk + bk * bn, bm * bn, lhs.dtype.itemsize)),
     )
-    k = lhs.shape[1]
-    with declared_cost(2 * m * k * n, (m * k + held * k * n + m * n) * lhs.dtype.itemsize):
+    k, rows = lhs.shape[1], visited_rows(m, bm, held, expected_rows)  # programs past the work tiles return at once
+    with declared_cost(2 * rows * k * n, (rows * k + held * k * n + rows * n) * lhs.dtype.itemsize):
         out = call(group_ids, m_tile_ids, bounds.astype(jnp.int32), count.astype(jnp.int32)[None],
                    group_offset[None], lhs, rhs)
     return jnp.where(held_rows_mask(group_sizes, group_offset, held, m), out, 0)
@@ -139,7 +139,8 @@ def _weight_grad_kernel(bounds_ref, offset_ref, lhs_ref, d_out_ref, out_ref, *, 
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTiling, interpret: bool):
+def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTiling, interpret: bool,
+                 expected_rows: int | None):
     """d_rhs [held, Kp, Np]: per held group, lhs[rows of g]^T d_out[rows of g]."""
     bm, bk, bn = tiling
     k, n = lhs.shape[1], d_out.shape[1]
@@ -154,26 +155,26 @@ def _weight_grad(lhs, d_out, group_sizes, group_offset, held: int, tiling: GpuTi
         compiler_params=triton_params(num_warps=NUM_WARPS,
                                       num_stages=_stages(bm * bk + bm * bn, bk * bn, lhs.dtype.itemsize)),
     )
-    m = lhs.shape[0]
+    m = visited_rows(lhs.shape[0], bm, held, expected_rows)  # each group loops over its own row tiles
     with declared_cost(2 * m * k * n, (m * k + m * n + held * k * n) * lhs.dtype.itemsize):
         return call(bounds, group_offset[None], lhs, d_out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, interpret: bool):
-    return _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling, False, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped(lhs, rhs, group_sizes, group_offset, tiling: GpuTiling, interpret: bool, expected_rows: int | None):
+    return _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling, False, expected_rows, interpret)
 
 
-def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiling, interpret):
-    out = _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling, False, interpret)
+def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiling, interpret, expected_rows):
+    out = _work_tiles_matmul(lhs, rhs, group_sizes, group_offset, tiling, False, expected_rows, interpret)
     return out, (lhs, rhs, group_sizes, group_offset)
 
 
-def _grouped_bwd(tiling, interpret, residuals, d_out):
+def _grouped_bwd(tiling, interpret, expected_rows, residuals, d_out):
     lhs, rhs, group_sizes, group_offset = residuals
     bm, bk, bn = tiling
-    d_lhs = _work_tiles_matmul(d_out, rhs, group_sizes, group_offset, (bm, bn, bk), True, interpret)
-    d_rhs = _weight_grad(lhs, d_out, group_sizes, group_offset, rhs.shape[0], tiling, interpret)
+    d_lhs = _work_tiles_matmul(d_out, rhs, group_sizes, group_offset, (bm, bn, bk), True, expected_rows, interpret)
+    d_rhs = _weight_grad(lhs, d_out, group_sizes, group_offset, rhs.shape[0], tiling, interpret, expected_rows)
     return d_lhs, d_rhs, None, None
 
 
@@ -181,8 +182,10 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def gpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
-                       tiling: GpuTiling | None = None, interpret: bool = False) -> jax.Array:
-    """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`)."""
+                       tiling: GpuTiling | None = None, interpret: bool = False,
+                       expected_rows: int | None = None) -> jax.Array:
+    """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`); the kernels
+    declare the work of the row tiles `expected_rows` fill (`visited_rows`; None: all M)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     bm, bk, bn = choose_gpu_tiling(m, k, n, lhs.dtype.itemsize, tiling)
@@ -190,4 +193,4 @@ def gpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
     k_pad, n_pad = round_up(k, max(bk, bn)), round_up(n, max(bk, bn))
     lhs = pad_axis(pad_axis(lhs, 0, round_up(m, bm)), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
-    return _grouped(lhs, rhs, group_sizes, group_offset, (bm, bk, bn), interpret)[:m, :n]
+    return _grouped(lhs, rhs, group_sizes, group_offset, (bm, bk, bn), interpret, expected_rows)[:m, :n]

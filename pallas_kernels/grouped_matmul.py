@@ -45,7 +45,7 @@ def resolve_grouped_platform(platform: str | None) -> str:
     return platform
 
 
-def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit) -> None:
+def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit, expected_rows) -> None:
     if getattr(lhs, "ndim", None) != 2:
         raise ValueError(f"lhs must be [M, K]; got shape {getattr(lhs, 'shape', type(lhs).__name__)}")
     if getattr(rhs, "ndim", None) != 3:
@@ -77,13 +77,17 @@ def _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_lim
                                    or vmem_limit < MIN_VMEM_LIMIT):
         raise ValueError(f"vmem_limit must be None (the chip's default) or the scoped VMEM in bytes the one-group "
                          f"kernels ask for, at least {MIN_VMEM_LIMIT} (16 MiB); got {vmem_limit!r}")
+    if expected_rows is not None and (isinstance(expected_rows, bool) or not isinstance(expected_rows, int)
+                                      or not 0 < expected_rows <= lhs.shape[0]):
+        raise ValueError(f"expected_rows must be None (every row) or an int in [1, {lhs.shape[0]}] (lhs's rows); "
+                         f"got {expected_rows!r}")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    group_offset: jax.Array | int | None = None, platform: str | None = None,
                    interpret: bool = False, tiling: Tiling | None = None,
                    device_kind: str | None = None, zero_outside: bool = True,
-                   vmem_limit: int | None = None) -> jax.Array:
+                   vmem_limit: int | None = None, expected_rows: int | None = None) -> jax.Array:
     """lhs [M, K] (rows sorted by group) x rhs [G, K, N] -> [M, N] in lhs.dtype, differentiable in lhs and rhs.
 
     `group_sizes` int32 [Gt]: rows per group, in row order. rhs holds groups [group_offset, group_offset + G)
@@ -96,16 +100,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     is clamped to the shapes (default: each kernel's own, see `tpu_grouped_matmul.choose_tiles`). `device_kind`
     (jax's name of the TPU compiled for, e.g. "TPU v6 lite"; None: any TPU) sets the TPU tiles' VMEM budget.
     `vmem_limit` (bytes; None: the chip's default) with one group of one and `zero_outside` False runs
-    `tpu_one_group_matmul`'s kernels, which ask for that much scoped VMEM and are tiled for it."""
-    _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit)
+    `tpu_one_group_matmul`'s kernels, which ask for that much scoped VMEM and are tiled for it.
+
+    `expected_rows` (static; None: all M) is how many rows the groups fill on average, such as a balanced load in
+    a receive buffer sized for more: the kernels only visit the row tiles holding rows, so they declare the work of
+    the tiles those rows take (`_grouped_rows.visited_rows`), which is what a roofline then counts; the results
+    do not depend on it."""
+    _validate(lhs, rhs, group_sizes, group_offset, tiling, device_kind, vmem_limit, expected_rows)
     platform = resolve_grouped_platform(platform)
     if platform == "cpu":
         return grouped_matmul_reference(lhs, rhs, group_sizes, group_offset=group_offset)
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     if platform == "gpu":
-        return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret)
+        return gpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
+                                  expected_rows=expected_rows)
     return tpu_grouped_matmul(lhs, rhs, group_sizes, offset, tiling=tiling, interpret=interpret,
-                              device_kind=device_kind, zero_outside=zero_outside, vmem_limit=vmem_limit)
+                              device_kind=device_kind, zero_outside=zero_outside, vmem_limit=vmem_limit,
+                              expected_rows=expected_rows)
 
 
 def kernel_rows(m: int, k: int, n: int, groups: int, dtype, *, platform: str | None = None,

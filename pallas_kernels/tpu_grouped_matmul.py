@@ -14,6 +14,7 @@ within the scoped VMEM budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 
 from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels._grouped_rows import held_rows_mask
+from pallas_kernels._grouped_rows import held_rows_mask, visited_rows
+from pallas_kernels.kernel_cost import declared_cost
 from pallas_kernels.tpu_one_group_matmul import one_group_matmul
 
 Tiling = tuple[int, int, int]  # (rows, contracted, output columns) of one kernel's tiles
@@ -165,9 +167,33 @@ def choose_tiles(m: int, k: int, n: int, groups: int, itemsize: int, tiling: Til
                key=lambda tiles: (total_bytes(tiles), -tiles.forward[0]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped(lhs, rhs, group_sizes, group_offset, tiles: GroupedTiles, interpret: bool, zero_outside: bool):
-    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)[0]
+def declared_costs(rows: int, k: int, n: int, groups: int, tiles: GroupedTiles, itemsize: int,
+                   expected_rows: int | None) -> tuple[tuple[int, int], ...]:
+    """(FLOPs, HBM bytes) of the forward, input-gradient and weight-gradient kernels over lhs [rows, k] x rhs
+    [groups, k, n] by megablox's cost model, each over the row tiles its grid visits when the groups fill
+    `expected_rows` (`visited_rows`; None: every row, as megablox declares)."""
+    forward, input_grad, weight_grad = (visited_rows(rows, tiling[0], groups, expected_rows)
+                                        for tiling in (tiles.forward, tiles.input_grad, tiles.weight_grad))
+    return ((2 * forward * k * n, gmm_hbm_bytes(forward, k, n, groups, tiles.forward, itemsize)),
+            (2 * input_grad * k * n, gmm_hbm_bytes(input_grad, n, k, groups, tiles.input_grad, itemsize)),
+            (2 * weight_grad * k * n, tgmm_hbm_bytes(weight_grad, k, n, groups, tiles.weight_grad, itemsize)))
+
+
+def _megablox_cost(lhs, rhs, tiles: GroupedTiles, expected_rows: int | None, kernel: int):
+    """Context for megablox kernel `kernel` (0 forward, 1 input gradient, 2 weight gradient): with `expected_rows`
+    its cost over the tiles those rows take (declared by the caller, which `hlo_stats` reads before megablox's own,
+    counted over the whole buffer); nothing to add otherwise."""
+    if expected_rows is None:
+        return contextlib.nullcontext()
+    costs = declared_costs(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], tiles,
+                           jnp.dtype(lhs.dtype).itemsize, expected_rows)
+    return declared_cost(*costs[kernel])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _grouped(lhs, rhs, group_sizes, group_offset, tiles: GroupedTiles, interpret: bool, zero_outside: bool,
+             expected_rows: int | None):
+    return _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside, expected_rows)[0]
 
 
 def _held_or_zero(x, group_sizes, group_offset, held: int, zero_outside: bool):
@@ -175,21 +201,24 @@ def _held_or_zero(x, group_sizes, group_offset, held: int, zero_outside: bool):
     return jnp.where(held_rows_mask(group_sizes, group_offset, held, x.shape[0]), x, 0) if zero_outside else x
 
 
-def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside):
-    out = gmm(lhs, rhs, group_sizes, lhs.dtype, tiles.forward, group_offset, interpret=interpret)
+def _grouped_fwd(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside, expected_rows):
+    with _megablox_cost(lhs, rhs, tiles, expected_rows, 0):
+        out = gmm(lhs, rhs, group_sizes, lhs.dtype, tiles.forward, group_offset, interpret=interpret)
     return (_held_or_zero(out, group_sizes, group_offset, rhs.shape[0], zero_outside),
             (lhs, rhs, group_sizes, group_offset))
 
 
-def _grouped_bwd(tiles, interpret, zero_outside, residuals, d_out):
+def _grouped_bwd(tiles, interpret, zero_outside, expected_rows, residuals, d_out):
     lhs, rhs, group_sizes, group_offset = residuals
     # d_lhs = d_out [M, N] x rhs[g]^T: N is contracted, K is the output's.
-    d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, tiles.input_grad, group_offset, transpose_rhs=True,
-                interpret=interpret)
+    with _megablox_cost(lhs, rhs, tiles, expected_rows, 1):
+        d_lhs = gmm(d_out, rhs, group_sizes, lhs.dtype, tiles.input_grad, group_offset, transpose_rhs=True,
+                    interpret=interpret)
     d_lhs = _held_or_zero(d_lhs, group_sizes, group_offset, rhs.shape[0], zero_outside)
     # d_rhs[g] = lhs[rows of g]^T x d_out[rows of g], accumulated in fp32 over the group's row tiles.
-    d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiles.weight_grad, group_offset, rhs.shape[0],
-                 interpret=interpret)
+    with _megablox_cost(lhs, rhs, tiles, expected_rows, 2):
+        d_rhs = tgmm(lhs.swapaxes(0, 1), d_out, group_sizes, rhs.dtype, tiles.weight_grad, group_offset,
+                     rhs.shape[0], interpret=interpret)
     return d_lhs, d_rhs, None, None
 
 
@@ -209,13 +238,14 @@ def tpu_kernel_rows(m: int, k: int, n: int, groups: int, itemsize: int, device_k
 def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array, *,
                        tiling: Tiling | None = None, interpret: bool = False,
                        device_kind: str | None = None, zero_outside: bool = True,
-                       vmem_limit: int | None = None) -> jax.Array:
+                       vmem_limit: int | None = None, expected_rows: int | None = None) -> jax.Array:
     """lhs [M, K] x rhs [G, K, N] by group -> [M, N] (inputs validated by `grouped_matmul`), tiled for the TPU
     named `device_kind` (None: any). With `vmem_limit` (bytes), one group of one, and `zero_outside` False (the
     pod recipes' one expert per chip), `tpu_one_group_matmul`'s kernels run instead, asking for that much scoped
     VMEM and tiled for it (`vmem_budget`); megablox's otherwise (the limit unused). `zero_outside` False leaves
     the output's and the input gradient's rows outside the held groups undefined (no pass over them); the weight
-    gradient never reads them (tgmm selects the groups' rows)."""
+    gradient never reads them (tgmm selects the groups' rows). `expected_rows`: what the kernels declare
+    (`declared_costs`)."""
     m, k = lhs.shape
     n = rhs.shape[2]
     k_pad, n_pad = round_up(k, LANE), round_up(n, LANE)
@@ -231,11 +261,8 @@ def tpu_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, g
     lhs = pad_axis(pad_axis(lhs, 0, rows), 1, k_pad)
     rhs = pad_axis(pad_axis(rhs, 1, k_pad), 2, n_pad)
     if one_group:
-        flops = 2 * rows * k_pad * n_pad
-        costs = ((flops, gmm_hbm_bytes(rows, k_pad, n_pad, 1, tiles.forward, itemsize)),
-                 (flops, gmm_hbm_bytes(rows, n_pad, k_pad, 1, tiles.input_grad, itemsize)),
-                 (flops, tgmm_hbm_bytes(rows, k_pad, n_pad, 1, tiles.weight_grad, itemsize)))
+        costs = declared_costs(rows, k_pad, n_pad, 1, tiles, itemsize, expected_rows)
         out = one_group_matmul(lhs, rhs[0], jnp.minimum(group_sizes, m), tiles, vmem_limit, costs, interpret)
     else:
-        out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside)
+        out = _grouped(lhs, rhs, group_sizes, group_offset, tiles, interpret, zero_outside, expected_rows)
     return out[:m, :n]

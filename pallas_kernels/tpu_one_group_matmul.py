@@ -14,8 +14,8 @@ v6e-256 step: 61.5 MiB refused against 32).
 Three kernels with megablox's tiling and cost model (`tpu_grouped_matmul`: the rows once per output-column tile,
 the weights once per row tile, the output once): the forward, the input gradient (rhs transposed: N contracted)
 and the weight gradient (lhs^T [K, M] x d_out [M, N], M contracted). Their row-tile grid dimension is the active
-tiles only, cdiv(rows, tm), a traced size: no step visits a tile past the rows. The declared costs count every
-row of the buffer (static), as megablox's do.
+tiles only, cdiv(rows, tm), a traced size: no step visits a tile past the rows. The declared costs (static) are
+the caller's: `tpu_grouped_matmul.declared_costs`, the tiles of the rows a step is expected to fill.
 """
 
 from __future__ import annotations

@@ -86,6 +86,14 @@ class DispatchLayout:
     kernel_vmem: int | None = None  # bytes of scoped VMEM the one-expert kernels ask for (model.moe_kernel_vmem_mib)
 
     @property
+    def expected_rows(self) -> int:
+        """Rows one device's experts receive on average: the ep devices sharing the experts send each other
+        ep * t * A rows in all, t * A per device, plus the blocks' expected padding (at most R). The grouped
+        matmuls declare the work of these rows' tiles (`ops.grouped_matmul`): the rest of R is headroom one device
+        uses only when another receives less."""
+        return min(self.receive_rows, math.ceil(self.assignments + self.expert_shards * (self.row_block - 1) / 2))
+
+    @property
     def receive_blocks(self) -> int:
         return self.receive_rows // self.row_block
 
@@ -215,12 +223,14 @@ def _run_local_experts(experts: dict, recv: jax.Array, recv_weights: jax.Array, 
         # [R, D] in the forward, its recompute or the backward either.
         last = jnp.max(jnp.where(filled, jnp.arange(expert.shape[0], dtype=jnp.int32) + 1, 0))
         return grouped_swiglu(experts, recv, last[None].astype(jnp.int32), platform, zero_outside=False,
-                              vmem_limit=layout.kernel_vmem, row_weights=recv_weights)
+                              vmem_limit=layout.kernel_vmem, row_weights=recv_weights,
+                              expected_rows=layout.expected_rows)
     group_sizes = jnp.bincount(expert, length=layout.local_experts).astype(jnp.int32)
     order = jnp.argsort(expert, stable=True)
     inverse = inverse_permutation(order)
     out_sorted = grouped_swiglu(experts, permute_rows(recv, order, inverse), group_sizes, platform,
-                                row_weights=permute_rows(recv_weights, order, inverse))
+                                row_weights=permute_rows(recv_weights, order, inverse),
+                                expected_rows=layout.expected_rows)
     # Multiplying by a [rows, 1] mask keeps only that column for the backward (a `where` would keep [rows, D]).
     mask = filled[order][:, None].astype(out_sorted.dtype)
     return permute_rows(out_sorted * mask, inverse, order)

@@ -31,18 +31,20 @@ def experts_reference(experts: dict, x: jax.Array, expert_ids: jax.Array, weight
 
 def grouped_swiglu(experts: dict, x_sorted: jax.Array, group_sizes: jax.Array,
                    platform: str | None = None, zero_outside: bool = True, vmem_limit: int | None = None,
-                   row_weights: jax.Array | None = None) -> jax.Array:
+                   row_weights: jax.Array | None = None, expected_rows: int | None = None) -> jax.Array:
     """SwiGLU of rows already sorted by expert; `group_sizes` int32 [E] rows per expert; rows past their sum
     give zeros, or with `zero_outside` False (a caller that never reads them) whatever the kernels leave there,
     in the output and the input gradient. Grouped matmuls for `platform` (see
-    `glm5_jax.ops.platform.compiled_platform`); `vmem_limit` as `ops.grouped_matmul`'s.
+    `glm5_jax.ops.platform.compiled_platform`); `vmem_limit` and `expected_rows` (the rows filled on average,
+    which the kernels declare the work of) as `ops.grouped_matmul`'s.
 
     `row_weights` [rows] (the routing weights) scale each row's hidden activations before the down projection,
     which is the same as scaling its output: then no gradient needs the output, so under remat the backward
     recomputes neither the down projection nor what carries its output back to the tokens."""
     dtype = x_sorted.dtype
     platform = compiled_platform(platform)
-    matmul = lambda x, w: grouped_matmul(x, w, group_sizes, platform, zero_outside, vmem_limit)  # noqa: E731
+    matmul = lambda x, w: grouped_matmul(x, w, group_sizes, platform, zero_outside, vmem_limit,  # noqa: E731
+                                         expected_rows)
     # The gate and up projections as one grouped matmul of [E, D, 2F] weights (concatenated here; a copy of the
     # weights, not of the rows): its backward's input gradient is one matmul over both, instead of two whose
     # [rows, D] results are then summed (v6e-256: 66 GB of HBM traffic per step, benchmarks/BENCHMARKS.md).

@@ -11,15 +11,17 @@ from pallas_kernels.grouped_matmul import grouped_matmul as grouped_matmul_kerne
 
 
 def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array,
-                   platform: str | None = None, zero_outside: bool = True, vmem_limit: int | None = None) -> jax.Array:
+                   platform: str | None = None, zero_outside: bool = True, vmem_limit: int | None = None,
+                   expected_rows: int | None = None) -> jax.Array:
     """Rows of `x` [M, K] sorted by group times their group's `weights` [G, K, N] (`group_sizes` int32 [G]);
     rows past sum(group_sizes) give zeros, or with `zero_outside` False whatever the kernels leave there (see
     `pallas_kernels.grouped_matmul`). `platform` as `compiled_platform` resolves it; the TPU kernels are tiled
     for the chip compiled for (`compiled_device_kind`: v6e's VMEM takes larger tiles); `vmem_limit` (bytes) is
-    the one-group kernels' own (`model.moe_kernel_vmem_mib`)."""
+    the one-group kernels' own (`model.moe_kernel_vmem_mib`); `expected_rows` the rows filled on average, whose
+    row tiles' work the kernels declare (None: every row; see `pallas_kernels.grouped_matmul`)."""
     return grouped_matmul_kernels(x, weights, group_sizes, platform=compiled_platform(platform),
                                   device_kind=compiled_device_kind(), zero_outside=zero_outside,
-                                  vmem_limit=vmem_limit)
+                                  vmem_limit=vmem_limit, expected_rows=expected_rows)
 
 
 def swiglu_rows(rows: int, hidden: int, intermediate: int, groups: int, dtype, platform: str | None = None,

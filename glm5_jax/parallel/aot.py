@@ -97,6 +97,9 @@ def compile_report(cfg: ExperimentConfig, topology: Topology, hlo_path: str | No
         "collective_bytes": stats.collective_bytes, "collective_counts": stats.collective_counts,
         "collective_bytes_by_link": stats.collective_bytes_by_link,
         "dynamic_loops_counted_once": stats.dynamic_loops,
+        # The grouped matmuls declare the work of an even load's row tiles (`DispatchLayout.expected_rows`); a
+        # chip whose experts draw more (up to the receive buffers' capacity) does more, another less.
+        "expert_capacity_factor": cfg.model.moe_capacity_factor if cfg.model.moe_backend == "ep" else None,
         "matmul_flops_by_source": dict(list(stats.flops_by_source.items())[:TOP_SOURCES]),
         "collective_bytes_by_source": dict(list(stats.collective_bytes_by_source.items())[:TOP_SOURCES]),
         "hbm_bytes_by_source": dict(list(stats.hbm_bytes_by_source.items())[:TOP_SOURCES]),
@@ -162,6 +165,9 @@ def format_report(report: dict, config_path: str) -> str:
     if report["kernels_without_cost"]:
         lines.append(f"  NOT COUNTED: Pallas kernels without a declared cost (name: executions): "
                      f"{report['kernels_without_cost']}")
+    if report.get("expert_capacity_factor"):
+        lines.append(f"  (routed experts counted at an even load: a chip whose experts draw their receive buffers' "
+                     f"whole capacity, {report['expert_capacity_factor']:g}x, does that much more of their work)")
     lines.append(f"per-chip HBM traffic: {report['hbm_traffic_bytes']:,.0f} bytes (XLA cost_analysis, loop bodies "
                  f"once: {report['xla_cost_bytes_loops_once']:,.0f}); largest sources:")
     for source, traffic in report.get("hbm_bytes_by_source", {}).items():

@@ -6,6 +6,7 @@ the Triton ones; compiled for CPU they keep the blocked layout."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.config.mesh import MeshConfig
 from glm5_jax.distributed.mesh import make_mesh
 from glm5_jax.model.moe import MoE
+from glm5_jax.parallel.hlo_stats import hlo_stats
 from glm5_jax.parallel.topology import get_topology
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -26,13 +28,14 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, moe_
                      compute_dtype="bfloat16").validate()
 
 
-def _compiled_moe_step(backend: str, mesh) -> str:
-    """Compiled HLO of one MoE block's loss and gradients with `backend`, its inputs on `mesh`."""
-    config = dataclasses.replace(CONFIG, moe_backend=backend)
+def _compiled_moe_step(backend: str, mesh, seq: int = 64, **settings) -> str:
+    """Compiled HLO of one MoE block's loss and gradients with `backend` (and model `settings`), its inputs (4
+    sequences of `seq` tokens) on `mesh`."""
+    config = dataclasses.replace(CONFIG, moe_backend=backend, **settings)
     graph, state = nnx.split(nnx.eval_shape(lambda: MoE(config, nnx.Rngs(0), jnp.float32)))
     params = nnx.to_pure_dict(state)
-    x = jax.ShapeDtypeStruct((4, 64, config.hidden_size), jnp.bfloat16)
-    mask = jax.ShapeDtypeStruct((4, 64), jnp.bool_)
+    x = jax.ShapeDtypeStruct((4, seq, config.hidden_size), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((4, seq), jnp.bool_)
     replicated = NamedSharding(mesh, PartitionSpec())
     place = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), tree)
@@ -55,6 +58,21 @@ def test_moe_dispatch_for_tpu_runs_the_grouped_matmul_kernels(backend):
     kernels = text.count('custom_call_target="tpu_custom_call"')
     assert kernels == 6, kernels
     assert "%ragged-dot" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+def test_the_ep_kernels_declare_the_work_of_an_even_load():
+    """Dropless, each device's receive buffer holds what every source could send it (8,192 rows: 4x an even load of
+    1,024 tokens x 2 experts); the kernels visit only the tiles holding rows, and declare the work of the rows a
+    device receives on average (`DispatchLayout.expected_rows`: 2,048 and the blocks' padding) in whole tiles,
+    which the counter takes instead of megablox's own count over the whole buffer."""
+    mesh = make_mesh(MeshConfig(expert=4), get_topology("v5p-8").devices()[:4])
+    text = _compiled_moe_step("ep", mesh, seq=1024)
+    assert re.search(r"%gmm[.\d]* = bf16\[8192,", text)
+    counted = hlo_stats(text, 4).kernel_flops
+    whole_buffer = sum(int(flops) for flops in re.findall(r'"cost_estimate":\{"flops":"(\d+)"', text))
+    assert 0 < counted < 0.8 * whole_buffer, (counted, whole_buffer)
 
 
 @pytest.mark.slow

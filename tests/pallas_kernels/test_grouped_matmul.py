@@ -14,13 +14,15 @@ import pytest
 from aot_compile import SCOPED_VMEM_LIMIT, chip_sharding, compile_for, mosaic_vmem_bytes
 from gpu_compile import lower_for, require_cuda_plugin
 
+from glm5_jax.parallel.hlo_stats import hlo_stats
 from pallas_kernels import grouped_matmul
+from pallas_kernels._grouped_rows import visited_rows
 from pallas_kernels.gpu_grouped_matmul import choose_gpu_tiling
 from pallas_kernels.grouped_matmul import grouped_matmul_reference, kernel_rows
 from pallas_kernels._common import round_up
 from pallas_kernels.tpu_grouped_matmul import (MOSAIC_SCRATCH, VMEM_BUDGET, GroupedTiles, choose_tiles,
-                                              gmm_hbm_bytes, gmm_vmem_bytes, tgmm_hbm_bytes, tgmm_vmem_bytes,
-                                              vmem_budget)
+                                              declared_costs, gmm_hbm_bytes, gmm_vmem_bytes, tgmm_hbm_bytes,
+                                              tgmm_vmem_bytes, vmem_budget)
 
 # name: (M, K, N, group_sizes, held groups (offset, count) or None, tiling limit)
 CASES = {
@@ -59,8 +61,10 @@ def _as_f32(x):
 def test_kernels_equal_ragged_dot_in_values_and_both_gradients(platform, case, dtype):
     lhs, rhs, sizes, offset, d_out = _inputs(case, dtype)
     tiling = CASES[case][5]
+    # The rows the groups fill, as a caller expecting them declares (the kernels' cost only, never a value).
+    filled = int(np.sum(np.asarray(sizes)))
     kernel = lambda a, b: grouped_matmul(a, b, sizes, group_offset=offset, platform=platform,  # noqa: E731
-                                         interpret=True, tiling=tiling)
+                                         interpret=True, tiling=tiling, expected_rows=filled)
     reference = lambda a, b: grouped_matmul_reference(a, b, sizes, group_offset=offset)  # noqa: E731
     got = jax.jit(lambda a, b, d: _value_and_grads(kernel, a, b, d))(lhs, rhs, d_out)
     want = jax.jit(lambda a, b, d: _value_and_grads(reference, a, b, d))(lhs, rhs, d_out)
@@ -218,6 +222,15 @@ def test_per_kernel_tiles_move_fewer_bytes_than_maxtexts_tiles():
     assert _layer_bytes(20480, 6144, 2048, 1) == pytest.approx(10.14e9, rel=1e-3)
 
 
+def test_the_kernels_declare_the_row_tiles_the_expected_rows_take():
+    """A grid visits the tiles holding rows, one more per group boundary inside a tile, never past the buffer."""
+    assert visited_rows(40960, 1024, 1, None) == 40960  # no expectation: the whole buffer
+    assert visited_rows(40960, 1024, 1, 32768) == 32768  # whole tiles
+    assert visited_rows(40960, 1024, 1, 32769) == 33792  # a started tile is computed whole
+    assert visited_rows(40960, 1024, 4, 32768) == 32768 + 3 * 1024  # three boundaries may split tiles
+    assert visited_rows(40960, 1024, 32, 40000) == 40960  # capped at the buffer
+
+
 @pytest.mark.parametrize("chip", ["TPU v5", "TPU v6 lite"])
 def test_kernel_rows_are_the_rows_the_kernels_pad_to(chip):
     """`kernel_rows` is the row count the TPU kernels pad lhs to (no copy at that count); other platforms pad
@@ -261,6 +274,9 @@ def test_gpu_tiles_are_powers_of_two_clamped_to_the_dims_and_shared_memory():
      "group_offset must be an int or an integer scalar"),
     (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), group_sizes=jnp.zeros((3,), jnp.int32), group_offset=2),
      r"group_offset=2 is out of range: rhs holds 2 of 3 groups, so it must be in \[0, 1\]"),
+    (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), expected_rows=5),
+     r"expected_rows must be None \(every row\) or an int in \[1, 4\] \(lhs's rows\); got 5"),
+    (dict(lhs=jnp.zeros((4, 5)), rhs=jnp.zeros((2, 5, 6)), expected_rows=2.0), "expected_rows must be None"),
 ])
 def test_invalid_inputs_are_refused_naming_the_field(kwargs, message):
     kwargs.setdefault("group_sizes", jnp.zeros((kwargs["rhs"].shape[0],), jnp.int32))
@@ -274,14 +290,16 @@ GLM5_EXPERTS = dict(m=16384, k=6144, n=2048, groups=32)
 POD_EXPERT = dict(m=40960, k=6144, n=2048, groups=1)
 
 
-def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS, device_kind=None, vmem_limit=None):
+def glm5_forward_and_gradients(dtype, platform, experts=GLM5_EXPERTS, device_kind=None, vmem_limit=None,
+                               expected_rows=None):
     """(function of lhs, rhs, group_sizes, d_out -> out, d_lhs, d_rhs; its abstract arguments). With `vmem_limit`
     the rows past the groups are left undefined (the pod recipes' one expert per chip)."""
     m, k, n, g = experts["m"], experts["k"], experts["n"], experts["groups"]
 
     def forward_and_gradients(lhs, rhs, sizes, d_out):
         return _value_and_grads(lambda a, b: grouped_matmul(a, b, sizes, platform=platform, device_kind=device_kind,
-                                                            vmem_limit=vmem_limit, zero_outside=vmem_limit is None),
+                                                            vmem_limit=vmem_limit, zero_outside=vmem_limit is None,
+                                                            expected_rows=expected_rows),
                                 lhs, rhs, d_out)
 
     sds = jax.ShapeDtypeStruct
@@ -304,12 +322,14 @@ def declared_kernel_costs(hlo_text: str) -> list[tuple[str, int, int]]:
 @pytest.mark.slow
 @pytest.mark.tpu_aot
 # The largest tiles of each chip (one expert per chip: 13.4 MiB of v5p's 16, 28.2 of v6e's 32) and, on v5p, the
-# 256-row tiles of 32 experts per device.
-@pytest.mark.parametrize("chip, experts", [("v5p", GLM5_EXPERTS), ("v5p", POD_EXPERT), ("v6e", POD_EXPERT)],
+# 256-row tiles of 32 experts per device. The pod expert's buffer holds 1.25x an even load, which the caller
+# expects (32,768 rows), so the kernels declare the work of those rows' tiles.
+@pytest.mark.parametrize("chip, experts, expected_rows", [("v5p", GLM5_EXPERTS, None), ("v5p", POD_EXPERT, 32768),
+                                                          ("v6e", POD_EXPERT, 32768)],
                          ids=["v5p-32_experts", "v5p-pod_expert", "v6e-pod_expert"])
-def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
+def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts, expected_rows):
     device_kind = chip_sharding(chip).mesh.devices.flat[0].device_kind  # tiled for the chip, as the model does
-    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind)
+    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind, expected_rows=expected_rows)
     compiled = compile_for(fn, args, chip)
     text = compiled.as_text()
     vmem = mosaic_vmem_bytes(compiled)
@@ -325,6 +345,13 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
         ("jvp(jit(gmm))", 2 * m * k * n, gmm_hbm_bytes(m, k, n, g, tiles.forward, 2)),
         ("transpose(jvp(jit(gmm)))", 2 * m * k * n, gmm_hbm_bytes(m, n, k, g, tiles.input_grad, 2)),
         ("transpose(jvp(jit(tgmm)))", 2 * m * k * n, tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))]
+    # What the counter takes: the caller's declared cost before megablox's, over the row tiles the expected rows
+    # take (v5p's 1024-row tiles hold 32,768 rows whole; v6e's 1280-row gmm tiles take 33,280), else megablox's.
+    counted = hlo_stats(text, 1).kernel_flops
+    assert counted == sum(flops for flops, _ in declared_costs(m, k, n, g, tiles, 2, expected_rows))
+    rows = [visited_rows(m, t[0], g, expected_rows) for t in (tiles.forward, tiles.input_grad, tiles.weight_grad)]
+    assert counted == 2 * sum(rows) * k * n
+    assert rows == ([m] * 3 if expected_rows is None else [32768] * 3 if chip == "v5p" else [33280, 33280, 32768])
     assert not re.search(r"%ragged-dot", text)  # XLA:TPU's ragged-dot custom calls and their metadata
     assert not re.search(rf"\[{g},{m},", text) and not re.search(rf"\[{m},{g},", text)  # no [G, M, ...] expansion
 
@@ -333,28 +360,35 @@ def test_tpu_kernels_compile_at_glm5_expert_shapes(chip, experts):
 @pytest.mark.tpu_aot
 def test_the_one_group_kernels_take_their_own_vmem_limit_on_v6e():
     """The v6e recipe's gate and up projection (`model.moe_kernel_vmem_mib: 96`: 23,040 received rows, [6144,
-    4096] weights, one expert): `tpu_one_group_matmul`'s kernels compile with more than the chip's default 32 MiB
-    of scoped VMEM, within their own 96, in a program compiled with no option, and the three move 22% fewer HBM
-    bytes than megablox's at the default (larger row tiles re-read the weights fewer times), as declared. The
-    weight gradient's stays within the default 32 (module docstring of `tpu_one_group_matmul`)."""
-    limit = 96 * 2**20
+    4096] weights, one expert; 18,304 of them expected: an even load and the blocks' padding): `tpu_one_group_matmul`'s
+    kernels compile with more than the chip's default 32 MiB of scoped VMEM, within their own 96, in a program
+    compiled with no option, and the three move over 20% fewer HBM bytes than megablox's at the default (larger row
+    tiles re-read the weights fewer times), as declared over the expected rows' tiles. The weight gradient's stays
+    within the default 32 (module docstring of `tpu_one_group_matmul`)."""
+    limit, expected = 96 * 2**20, 18304
     experts = dict(m=23040, k=6144, n=4096, groups=1)
     device_kind = chip_sharding("v6e").mesh.devices.flat[0].device_kind
-    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind, vmem_limit=limit)
+    fn, args = glm5_forward_and_gradients(jnp.bfloat16, "tpu", experts, device_kind, vmem_limit=limit,
+                                          expected_rows=expected)
     compiled = compile_for(fn, args, "v6e")
     vmem = mosaic_vmem_bytes(compiled)
     # The weight gradient's kernel within the default (XLA may fuse it into a dynamic update slice, which gets it).
     assert len(vmem) == 3 and 32 * 2**20 < max(vmem) < limit and min(vmem) < 32 * 2**20, vmem
     m, k, n, g = experts.values()
 
-    def bytes_moved(budget):
+    def declared(budget):
         tiles = choose_tiles(m, k, n, g, 2, budget=budget, weight_grad_budget=vmem_budget(device_kind))
-        return (gmm_hbm_bytes(m, k, n, g, tiles.forward, 2) + gmm_hbm_bytes(m, n, k, g, tiles.input_grad, 2)
-                + tgmm_hbm_bytes(m, k, n, g, tiles.weight_grad, 2))
+        return declared_costs(m, k, n, g, tiles, 2, expected), tiles
 
-    declared = sum(accessed for _, _, accessed in declared_kernel_costs(compiled.as_text()))
-    assert declared == bytes_moved(vmem_budget(device_kind, limit))
-    assert declared < 0.8 * bytes_moved(vmem_budget(device_kind))
+    costs, tiles = declared(vmem_budget(device_kind, limit))
+    compiled_costs = declared_kernel_costs(compiled.as_text())
+    assert sorted(flops for _, flops, _ in compiled_costs) == sorted(flops for flops, _ in costs)
+    # Each kernel over the row tiles the expected rows take, fewer than the buffer's.
+    assert all(flops == 2 * visited_rows(m, t[0], 1, expected) * k * n < 2 * m * k * n
+               for flops, t in zip((f for f, _ in costs), (tiles.forward, tiles.input_grad, tiles.weight_grad)))
+    moved = sum(accessed for _, _, accessed in compiled_costs)
+    assert moved == sum(accessed for _, accessed in costs)
+    assert moved < 0.8 * sum(accessed for _, accessed in declared(vmem_budget(device_kind))[0])
 
 
 @pytest.mark.gpu_aot

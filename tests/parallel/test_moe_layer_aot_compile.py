@@ -5,9 +5,9 @@ compiled step must do the model's matmul work, its grouped matmuls' weight gradi
 (`jax.lax.ragged_dot`'s transpose is a dense product over every local expert: 64x on the v5p slice, and on GPU
 the forward is dense too), and must gather no routed expert's weights (its tokens travel to it by all-to-all).
 
-The capacity factor is 1.0 so the receive buffers hold exactly the even load: the grouped matmul kernel declares
-its cost for every buffer row, and this test counts the work the program is built to do, not the padding a
-larger factor would add (the pod recipes report that separately). On TPU the rows travel in blocks of 16
+The capacity factor is 1.0 so the receive buffers hold exactly the even load: the grouped matmul kernels declare
+the work of the row tiles an even load takes, one more per boundary between experts inside a tile, which with 64
+or 32 experts per chip at this size is every row of the buffer. On TPU the rows travel in blocks of 16
 (`model.ep_row_block`), whose expected padding the receive buffer adds, and the buffer is rounded up to the
 grouped matmuls' row tiles: the model count here adds those rows too, and the compiled step must cut no buffer
 into libtpu's one-row-per-tile layout (a [rows, 2, D / 2] copy of every buffer the all-to-all sends or

@@ -19,6 +19,11 @@ visible block, so no DMA fetches them. Key t is visible to query s iff t <= s an
   dk, dv:  grid (B, H, key blocks, query blocks): p^T = exp(s^T - lse), dv += p^T do, ds^T = p^T (dp^T - di),
            dk += ds^T q
   dq:      grid (B, H, query blocks, key blocks): the same p^T and ds^T, dq += (ds^T)^T k
+
+Where one head's whole dq fits in VMEM as fp32 ([L, D]: at most FUSED_DQ_BYTES, 2048 tokens at D 256 and
+below), the backward is one kernel: the dk/dv kernel's steps also add (ds^T)^T k into that head's dq, written once
+after its last step, so p^T and ds^T are computed once instead of twice (5 matmuls per block pair instead of 7)
+and the dq kernel's reads of q, k, v and do go too. dq's sum over key blocks runs in the same order either way.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from pallas_kernels._common import dot_nn, dot_nt, dot_tn, tpu_interpret
 # until its first visible key, whose rescaling factor exp(mask - m) = 0 then clears it.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
+# One head's fp32 dq accumulator the fused backward keeps in VMEM, at most: 4 MiB (L x D = 4096 x 256), which with
+# the dq block written back (double-buffered) and the streamed tiles stays within v5p's default 16 MiB.
+FUSED_DQ_BYTES = 4 * 2**20
 
 
 def _visible(rows_block, cols_block, block: int, row_is_key: bool, row_seg, col_seg):
@@ -108,6 +116,46 @@ def _flash_dkv_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
+def _flash_fused_backward_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref,
+                                 dq_ref, dk_acc, dv_acc, dq_acc, *, scale):
+    """`_flash_dkv_kernel`'s steps, each also adding its (ds^T)^T k into the head's whole dq (`dq_acc` [L, D])."""
+    t, i = pl.program_id(2), pl.program_id(3)
+    block = q_ref.shape[0]
+
+    @pl.when((t == 0) & (i == 0))
+    def _():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    @pl.when(i == 0)
+    def _():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(i >= t)
+    def _():
+        p_t, ds_t = _probabilities_t(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, t, i, scale)
+        dv_acc[...] += dot_nn(p_t.astype(do_ref.dtype), do_ref[...])
+        dk_acc[...] += dot_nn(ds_t.astype(q_ref.dtype), q_ref[...])
+        rows = pl.ds(pl.multiple_of(i * block, block), block)
+        dq_acc[rows, :] += dot_tn(ds_t.astype(k_ref.dtype), k_ref[...])
+
+    last = pl.num_programs(3) - 1
+
+    @pl.when(i == last)
+    def _():
+        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    @pl.when((t == last) & (i == last))
+    def _():
+        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
+def fused_backward(length: int, dim: int) -> bool:
+    """Whether `flash_backward` runs as one kernel: one head's fp32 dq [length, dim] within FUSED_DQ_BYTES."""
+    return length * dim * 4 <= FUSED_DQ_BYTES
+
+
 def _flash_dq_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dq_ref, dq_acc, *, scale):
     i, t = pl.program_id(2), pl.program_id(3)
 
@@ -135,9 +183,11 @@ def flash_costs(batch: int, heads: int, length: int, dim: int, block: int, items
     stats = batch * heads * length * 4  # one [B, H, L] fp32 row array
     exps = pairs * block * block
     matmul = lambda count: count * 2 * pairs * block * block * dim  # noqa: E731
+    dkv_bytes = 2 * pairs * tile + 2 * pairs * block * 4 + 4 * rows
     return {"forward": (matmul(2), 2 * pairs * tile + 2 * rows + stats, exps),
-            "dkv": (matmul(4), 2 * pairs * tile + 2 * pairs * block * 4 + 4 * rows, exps),
-            "dq": (matmul(3), 2 * pairs * tile + 3 * rows + 2 * stats, exps)}
+            "dkv": (matmul(4), dkv_bytes, exps),
+            "dq": (matmul(3), 2 * pairs * tile + 3 * rows + 2 * stats, exps),
+            "fused_backward": (matmul(5), dkv_bytes + rows, exps)}  # dk/dv's, and dq written once
 
 
 def _cost(entry) -> pl.CostEstimate:
@@ -207,6 +257,9 @@ def flash_backward(q, k, v, segments, lse, d_out, di, *, scale: float, block: in
     query = lambda t, i: jnp.maximum(i, t)  # noqa: E731
     key = lambda t, i: t  # noqa: E731
     key_rows = pl.BlockSpec((None, None, block, dim), lambda b, h, t, i: (b, h, t, 0))
+    if fused_backward(length, dim):  # dq too, summed over the key blocks in VMEM: the key blocks run in order
+        return _fused_backward(q, k, v, q_seg, k_seg, d_out, stats, scale, block, query, key, key_rows,
+                               costs["fused_backward"], interpret)
     dk, dv = pl.pallas_call(
         functools.partial(_flash_dkv_kernel, scale=float(scale)),
         grid=(batch, heads, blocks, blocks),
@@ -230,5 +283,25 @@ def flash_backward(q, k, v, segments, lse, d_out, di, *, scale: float, block: in
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((block, dim), jnp.float32)],
         compiler_params=semantics, cost_estimate=_cost(costs["dq"]), interpret=tpu_interpret(interpret),
+    )(q_seg, k_seg, q, k, v, d_out, *stats)
+    return dq, dk, dv
+
+
+def _fused_backward(q, k, v, q_seg, k_seg, d_out, stats, scale, block, query, key, key_rows, cost, interpret):
+    """(dq, dk, dv) by `_flash_fused_backward_kernel`, steps as the dk/dv kernel's."""
+    batch, heads, length, dim = q.shape
+    blocks = length // block
+    dk, dv, dq = pl.pallas_call(
+        functools.partial(_flash_fused_backward_kernel, scale=float(scale)),
+        grid=(batch, heads, blocks, blocks),
+        in_specs=[*_specs(block, dim, query, key, keys_major=True), _rows(block, dim, query),
+                  _stat_spec(block, query), _stat_spec(block, query)],
+        out_specs=[key_rows, key_rows, pl.BlockSpec((None, None, length, dim), lambda b, h, t, i: (b, h, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        scratch_shapes=[pltpu.VMEM((block, dim), jnp.float32), pltpu.VMEM((block, dim), jnp.float32),
+                        pltpu.VMEM((length, dim), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        cost_estimate=_cost(cost), interpret=tpu_interpret(interpret),
     )(q_seg, k_seg, q, k, v, d_out, *stats)
     return dq, dk, dv

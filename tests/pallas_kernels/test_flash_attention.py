@@ -12,7 +12,8 @@ import pytest
 from pallas_kernels.flash_attention import causal_flash_attention
 from pallas_kernels.gpu_flash_attention import TritonFlashPlan, triton_flash_plan
 from pallas_kernels.reference import causal_flash_attention_reference
-from pallas_kernels.tpu_flash_attention import flash_costs
+from pallas_kernels import tpu_flash_attention
+from pallas_kernels.tpu_flash_attention import flash_backward, flash_costs, flash_forward, fused_backward
 
 
 @pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow),  # ~9 s of TPU interpret mode
@@ -54,6 +55,27 @@ def test_declared_costs_count_the_computed_and_reread_key_blocks():
     assert costs["dkv"] == (4 * pairs * pair, 2 * pairs * tile + 2 * pairs * 256 * 4 + 4 * whole, pairs * 256 * 256)
     # dq: k and v streamed past each query block; q, do, lse, di read and dq written once.
     assert costs["dq"] == (3 * pairs * pair, 2 * pairs * tile + 3 * whole + 2 * stats, pairs * 256 * 256)
+    # One kernel for all three: dk/dv's steps with dq's product added, dq written once.
+    assert costs["fused_backward"] == (5 * pairs * pair, costs["dkv"][1] + whole, pairs * 256 * 256)
+
+
+def test_the_fused_backward_equals_the_two_kernels(monkeypatch):
+    """One head's dq summed in VMEM by the dk/dv kernel's steps: the same dq, dk and dv as the dk/dv and dq
+    kernels (the same products, dq summed over the key blocks in the same order), with two segments and padding."""
+    b, h, length, dim, block = 1, 2, 384, 128, 128
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, d_out = (jax.random.normal(key, (b, h, length, dim), jnp.float32) for key in keys)
+    segments = jnp.array([[1] * 150 + [2] * 200 + [-1] * 34], jnp.int32)
+    out, lse = flash_forward(q, k, v, segments, scale=0.3, block=block, interpret=True)
+    di = jnp.einsum("BHLD,BHLD->BHL", out, d_out)
+    assert fused_backward(length, dim) and not fused_backward(4096, 512)
+    fused = flash_backward(q, k, v, segments, lse, d_out, di, scale=0.3, block=block, interpret=True)
+    monkeypatch.setattr(tpu_flash_attention, "FUSED_DQ_BYTES", 0)
+    assert not fused_backward(length, dim)
+    separate = flash_backward(q, k, v, segments, lse, d_out, di, scale=0.3, block=block, interpret=True)
+    for name, got, want in zip(("dq", "dk", "dv"), fused, separate):
+        assert np.abs(np.asarray(want)).max() > 0, name
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_triton_declared_costs_count_the_visited_blocks():

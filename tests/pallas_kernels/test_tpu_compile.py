@@ -100,10 +100,10 @@ def entry_points(shape: Shapes, dtype) -> dict:
 
     grad = lambda fn, n: jax.grad(fn, argnums=tuple(range(n)))  # noqa: E731
     return {
-        # Flash forward, the target from its statistics (`tpu_flash_target`), dk/dv and dq: `causal_flash_attention`
-        # runs the same three flash kernels.
+        # Flash forward, the target from its statistics (`tpu_flash_target`) and one backward kernel for dq, dk and
+        # dv (one head's fp32 dq, [2048, 256], fits VMEM): `causal_flash_attention` runs the same flash kernels.
         "causal_flash_attention_with_target_and_backward": (  # the loss's value needs the target (a constant)
-            jax.value_and_grad(flash_loss, argnums=(0, 1, 2)), (q_heads, q_heads, v_heads, segments), 4),
+            jax.value_and_grad(flash_loss, argnums=(0, 1, 2)), (q_heads, q_heads, v_heads, segments), 3),
         # No sparse MLA backward without the target: the backward with it holds the same backward kernel
         # (same function, same shapes: 60 s of compiles).
         "sparse_mla_forward": (attention, (q, latent, indices), 1),

@@ -66,6 +66,11 @@ ATTENTION_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_ke
 # On TPU the sparse MLA forward kernel writes the target itself and the backward re-runs that kernel anyway (for
 # its residuals), so keeping the target spares nothing there: `full` measured less memory and no more traffic.
 DSA_TARGET_NAMES = ("dsa_target",)
+# The projections whose outputs are small for the recompute FLOPs they spare: the dense MLP's and the shared
+# expert's gate and up outputs (2F values per token for 4 D F FLOPs) and the attention's two down-projections
+# (q_a, kv_a: Q + C + R values for 2 D (Q + C + R)). GLM-5 on v6e-256: 2.1 GiB per chip for 1.5e13 FLOPs per step
+# (benchmarks/BENCHMARKS.md, issue 24).
+PROJECTION_NAMES = ("ffn_gate_up", "attention_down_proj")
 
 
 def save_kernel_outputs(kernels: tuple[tuple[str, str], ...]):
@@ -89,6 +94,8 @@ REMAT_POLICIES = {
     # traffic per step), for the pods where memory is short (v6e-256).
     "full_without_topk_scores": jax.checkpoint_policies.save_only_these_names("dsa_topk"),
     "full_keep_dsa_target": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
+    "full_keep_projections": jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES,
+                                                                           *PROJECTION_NAMES),
     "full_keep_attention": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(*ALWAYS_SAVED, *DSA_TARGET_NAMES),
         save_kernel_outputs(ATTENTION_FORWARD_KERNELS)),

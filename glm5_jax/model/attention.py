@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.distributed.context_local import context_local
@@ -79,14 +80,16 @@ class MLA(nnx.Module):
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> Projection:
         """Queries and the latent cache rows of one layer (x is the input-normed hidden state [B, S, D])."""
         config = self.config
-        q_resid = self.q_a_norm.rms_norm(self.q_a_proj(x), LATENT_NORM_EPS)
+        # The two down-projections' outputs are named for remat "full_keep_projections" (small: Q + C + R values
+        # per token).
+        q_resid = self.q_a_norm.rms_norm(checkpoint_name(self.q_a_proj(x), "attention_down_proj"), LATENT_NORM_EPS)
         # The rope columns are de-interleaved on the (FSDP-sharded) weight, so the queries come out of the matmul
         # in the rotation's layout: each form rotates them where it reads them (the expanded form whole, no
         # [B, S, H, R] slice written on its own, which a TPU tile pads from R = 64 to 128 lanes; GLM-5 on v6e-256:
         # benchmarks/BENCHMARKS.md).
         q = jnp.einsum("BSQ,QHK->BSHK", q_resid, deinterleave_tail(self.q_b_proj.weight(x.dtype),
                                                                   config.qk_rope_head_dim))
-        ckv = self.kv_a_proj(x)
+        ckv = checkpoint_name(self.kv_a_proj(x), "attention_down_proj")
         latent = self.kv_a_norm.rms_norm(ckv[..., : config.kv_lora_rank], LATENT_NORM_EPS)
         k_rope = apply_rope_interleaved(ckv[..., config.kv_lora_rank:], cos, sin)
         return Projection(q_resid, q, cos, sin, jnp.concatenate([latent, k_rope], axis=-1))

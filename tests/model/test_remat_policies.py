@@ -2,8 +2,10 @@
 backward pass recomputes, never a value, and they keep what they say. `full_keep_dsa_target` keeps the sparse
 stage's KL target (so on GPU the backward does not re-run the target kernel's row gathers; on TPU the target comes
 from the forward kernel, which the backward re-runs anyway); `full_keep_attention` also keeps the sparse MLA forward
-kernel's outputs, its custom VJP's residuals (so the backward does not re-run the forward kernel). The kernels'
-calls are counted in the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
+kernel's outputs, its custom VJP's residuals (so the backward does not re-run the forward kernel);
+`full_keep_projections` keeps the target and the small projections' outputs (the attention's down-projections, the
+MLPs' gate and up), so the backward re-runs none of those matmuls. The kernels' calls (and matmuls) are counted in
+the gradient's jaxpr as it is traced for a TPU (Mosaic)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ CONFIG = small_pallas_model(compute_dtype="float32", moe_backend="ragged")
 SEQ = 12
 KEEP_POLICIES = ("full_keep_dsa_target", "full_keep_attention")
 # Policies that must give `full`'s values: the keep policies and the one that keeps less.
-SAME_VALUE_POLICIES = (*KEEP_POLICIES, "full_without_topk_scores")
+SAME_VALUE_POLICIES = (*KEEP_POLICIES, "full_keep_projections", "full_without_topk_scores")
 
 
 def _loss(params, tokens, config):
@@ -41,11 +43,14 @@ def _loss(params, tokens, config):
 
 
 def _kernel_calls(jaxpr, counter=None):
-    """Pallas kernel calls in a jaxpr and every jaxpr inside it, by kernel function name."""
+    """Pallas kernel calls in a jaxpr and every jaxpr inside it, by kernel function name, and its matmuls (under
+    "dot_general")."""
     counter = collections.Counter() if counter is None else counter
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             counter[eqn.params["jaxpr"].debug_info.func_src_info.split(" at ")[0]] += 1
+        elif eqn.primitive.name == "dot_general":
+            counter["dot_general"] += 1
         for sub in core.jaxprs_in_params(eqn.params):
             _kernel_calls(sub, counter)
     return counter
@@ -80,6 +85,13 @@ class _Traced:
         self._kernels, self._residuals = {}, {}
 
     def kernels(self, policy: str, **overrides) -> collections.Counter:
+        return collections.Counter({name: calls for name, calls in self._calls(policy, **overrides).items()
+                                    if name != "dot_general"})
+
+    def matmuls(self, policy: str) -> int:
+        return self._calls(policy)["dot_general"]
+
+    def _calls(self, policy: str, **overrides) -> collections.Counter:
         key = (policy, tuple(sorted((k, v) for k, v in overrides.items() if getattr(CONFIG, k) != v)))
         if key not in self._kernels:
             self._kernels[key] = _gradient_kernels(policy, **dict(key[1]))
@@ -160,6 +172,20 @@ def test_keep_policies_save_what_they_name(traced):
     assert all(len(shape) == 5 and shape[:3] == (1, 1, SEQ) and shape[3] >= CONFIG.num_attention_heads
                for shape in shapes), kept_kernel
     assert sorted(shape[4] >= CONFIG.kv_lora_rank for shape in shapes) == [False] * 3 + [True] * 3, kept_kernel
+
+
+def test_keep_projections_keeps_the_small_projections_and_recomputes_none(traced):
+    """Besides the target, each layer stack (dense, MoE) and the MTP step keep q_a's and kv_a's outputs and the
+    dense MLP's or shared expert's gate and up outputs, and the backward runs four matmuls fewer in each."""
+    target, projections = (traced.residuals(p) for p in ("full_keep_dsa_target", "full_keep_projections"))
+    kept = list((projections - target).elements())
+    assert not target - projections, target - projections
+    widths = sorted(int(line.split("]")[0].split(",")[-1]) for line in kept)
+    q, ckv = CONFIG.q_lora_rank, CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim
+    dense, shared = CONFIG.intermediate_size, CONFIG.moe_intermediate_size * CONFIG.n_shared_experts
+    assert widths == sorted([q, ckv] * 3 + [dense] * 2 + [shared] * 4), kept
+    matmuls = {p: traced.matmuls(p) for p in ("full_keep_dsa_target", "full_keep_projections")}
+    assert matmuls["full_keep_projections"] == matmuls["full_keep_dsa_target"] - 4 * 3, matmuls
 
 
 def test_without_topk_scores_keeps_the_selection_only(traced):

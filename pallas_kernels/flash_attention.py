@@ -14,8 +14,8 @@ t <= s and both carry the same segment id. Head dims are zero-padded to one mult
 width; q.k and the output are unchanged; GLM-5's are 256 already), the sequence to a block multiple (padding
 tokens get segment id -1: they see only each other). The forward keeps each row's log-sum-exp, which the
 backward (one kernel for dq, dk and dv where a head's fp32 dq fits VMEM; dk/dv, then dq otherwise) and the KL
-target (`tpu_flash_target`) read; each kernel declares its cost. `interpret` runs them in TPU interpret mode on CPU (the Triton ones in Pallas's interpret mode). The rest of this
-module is the TPU path.
+target (`tpu_flash_target`) read; each kernel declares its cost. `interpret` runs them in TPU interpret mode on
+CPU (the Triton ones in Pallas's interpret mode). The rest of this module is the TPU path.
 """
 
 from __future__ import annotations

@@ -95,60 +95,42 @@ def _probabilities_t(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     return p_t, ds_t
 
 
-def _flash_dkv_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref, dk_acc,
-                      dv_acc, *, scale):
+def _flash_dkv_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, scale, with_dq):
+    """dk, dv of key block t over query blocks i; `with_dq` (the fused backward) each step also adds its
+    (ds^T)^T k into the head's whole dq (refs: dk, dv, dq, then their fp32 accumulators, dq's [L, D])."""
+    dk_ref, dv_ref, dq_ref, dk_acc, dv_acc, dq_acc = refs if with_dq else (*refs[:2], None, *refs[2:], None)
     t, i = pl.program_id(2), pl.program_id(3)
-
-    @pl.when(i == 0)
-    def _():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    @pl.when(i >= t)
-    def _():
-        p_t, ds_t = _probabilities_t(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, t, i, scale)
-        dv_acc[...] += dot_nn(p_t.astype(do_ref.dtype), do_ref[...])
-        dk_acc[...] += dot_nn(ds_t.astype(q_ref.dtype), q_ref[...])
-
-    @pl.when(i == pl.num_programs(3) - 1)
-    def _():
-        dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-
-def _flash_fused_backward_kernel(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref,
-                                 dq_ref, dk_acc, dv_acc, dq_acc, *, scale):
-    """`_flash_dkv_kernel`'s steps, each also adding its (ds^T)^T k into the head's whole dq (`dq_acc` [L, D])."""
-    t, i = pl.program_id(2), pl.program_id(3)
-    block = q_ref.shape[0]
-
-    @pl.when((t == 0) & (i == 0))
-    def _():
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    @pl.when(i == 0)
-    def _():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    @pl.when(i >= t)
-    def _():
-        p_t, ds_t = _probabilities_t(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, t, i, scale)
-        dv_acc[...] += dot_nn(p_t.astype(do_ref.dtype), do_ref[...])
-        dk_acc[...] += dot_nn(ds_t.astype(q_ref.dtype), q_ref[...])
-        rows = pl.ds(pl.multiple_of(i * block, block), block)
-        dq_acc[rows, :] += dot_tn(ds_t.astype(k_ref.dtype), k_ref[...])
-
     last = pl.num_programs(3) - 1
+
+    if with_dq:
+        @pl.when((t == 0) & (i == 0))
+        def _():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    @pl.when(i == 0)
+    def _():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(i >= t)
+    def _():
+        p_t, ds_t = _probabilities_t(q_seg_ref, k_seg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, t, i, scale)
+        dv_acc[...] += dot_nn(p_t.astype(do_ref.dtype), do_ref[...])
+        dk_acc[...] += dot_nn(ds_t.astype(q_ref.dtype), q_ref[...])
+        if with_dq:
+            block = q_ref.shape[0]
+            rows = pl.ds(pl.multiple_of(i * block, block), block)
+            dq_acc[rows, :] += dot_tn(ds_t.astype(k_ref.dtype), k_ref[...])
 
     @pl.when(i == last)
     def _():
         dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
-    @pl.when((t == last) & (i == last))
-    def _():
-        dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+    if with_dq:
+        @pl.when((t == last) & (i == last))
+        def _():
+            dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
 def fused_backward(length: int, dim: int) -> bool:
@@ -261,7 +243,7 @@ def flash_backward(q, k, v, segments, lse, d_out, di, *, scale: float, block: in
         return _fused_backward(q, k, v, q_seg, k_seg, d_out, stats, scale, block, query, key, key_rows,
                                costs["fused_backward"], interpret)
     dk, dv = pl.pallas_call(
-        functools.partial(_flash_dkv_kernel, scale=float(scale)),
+        functools.partial(_flash_dkv_kernel, scale=float(scale), with_dq=False),
         grid=(batch, heads, blocks, blocks),
         in_specs=[*_specs(block, dim, query, key, keys_major=True), _rows(block, dim, query),
                   _stat_spec(block, query), _stat_spec(block, query)],
@@ -288,11 +270,11 @@ def flash_backward(q, k, v, segments, lse, d_out, di, *, scale: float, block: in
 
 
 def _fused_backward(q, k, v, q_seg, k_seg, d_out, stats, scale, block, query, key, key_rows, cost, interpret):
-    """(dq, dk, dv) by `_flash_fused_backward_kernel`, steps as the dk/dv kernel's."""
+    """(dq, dk, dv) by one kernel: the dk/dv kernel's steps, each adding its part of dq (`with_dq`)."""
     batch, heads, length, dim = q.shape
     blocks = length // block
     dk, dv, dq = pl.pallas_call(
-        functools.partial(_flash_fused_backward_kernel, scale=float(scale)),
+        functools.partial(_flash_dkv_kernel, scale=float(scale), with_dq=True),
         grid=(batch, heads, blocks, blocks),
         in_specs=[*_specs(block, dim, query, key, keys_major=True), _rows(block, dim, query),
                   _stat_spec(block, query), _stat_spec(block, query)],

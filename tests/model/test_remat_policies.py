@@ -136,7 +136,7 @@ def test_keep_policies_give_the_same_loss_and_gradients_as_full(policy, under_fu
 @pytest.mark.slow
 @pytest.mark.parametrize("index_topk, forward_kernel, backward_kernel", [
     (CONFIG.index_topk, "_forward_kernel", "_backward_kernel"),  # T > N: the sparse MLA kernels
-    (SEQ, "_flash_forward_kernel", "_flash_fused_backward_kernel"),  # T <= N: flash attention (one backward kernel)
+    (SEQ, "_flash_forward_kernel", "_flash_dkv_kernel"),  # T <= N: flash attention (its backward one kernel)
 ])
 def test_keep_attention_spares_the_backward_the_forward_kernel(index_topk, forward_kernel, backward_kernel, traced):
     """Under `full` the backward re-runs the attention's forward kernel of every rematerialised layer;

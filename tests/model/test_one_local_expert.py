@@ -154,9 +154,9 @@ def test_undefined_rows_past_the_received_ones_reach_nothing(monkeypatch):
     from glm5_jax.model import experts as experts_module
     from pallas_kernels.grouped_matmul import grouped_matmul as kernels
 
-    def interpreted(x, w, sizes, platform, zero_outside, vmem_limit):
+    def interpreted(x, w, sizes, platform, zero_outside, vmem_limit, expected_rows):
         return kernels(x, w, sizes, platform="tpu", interpret=True, zero_outside=zero_outside,
-                       vmem_limit=vmem_limit)
+                       vmem_limit=vmem_limit, expected_rows=expected_rows)
 
     monkeypatch.setattr(experts_module, "grouped_matmul", interpreted)
     layout = dataclasses.replace(BLOCKED, kernel_vmem=32 * 2**20)

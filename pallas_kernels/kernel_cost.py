@@ -3,7 +3,9 @@
 Mosaic (TPU) kernels keep `pl.CostEstimate` in their backend config, but jax's Triton lowering drops it, so a
 GPU kernel's cost travels as frontend attributes of its custom call instead (`set_xla_metadata`), where
 `glm5_jax.parallel.hlo_stats` reads it: moving a matmul into a kernel never makes its work vanish from a
-compiled program's count.
+compiled program's count. A TPU kernel's caller that knows its work better than the kernel's own estimate does
+(megablox counts every row of a buffer its grid only partly visits) declares it the same way; the counter reads
+the caller's cost first.
 """
 
 from __future__ import annotations

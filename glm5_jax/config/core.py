@@ -68,8 +68,8 @@ ATTENTION_FORWARD_KERNELS = (("_forward_kernel", "sparse_mla.py"), ("_forward_ke
 DSA_TARGET_NAMES = ("dsa_target",)
 # The projections whose outputs are small for the recompute FLOPs they spare: the dense MLP's and the shared
 # expert's gate and up outputs (2F values per token for 4 D F FLOPs) and the attention's two down-projections
-# (q_a, kv_a: Q + C + R values for 2 D (Q + C + R)). GLM-5 on v6e-256: 2.1 GiB per chip for 1.5e13 FLOPs per step
-# (benchmarks/BENCHMARKS.md, issue 24).
+# (q_a, kv_a: Q + C + R values for 2 D (Q + C + R)). GLM-5 on v6e-256, compiled: 4.5 GiB per chip for 1.5e13 FLOPs
+# per step (benchmarks/BENCHMARKS.md, issue 24).
 PROJECTION_NAMES = ("ffn_gate_up", "attention_down_proj")
 
 
